@@ -1,0 +1,60 @@
+"""Shared fixtures: small workloads of every op, and a helper that builds a state and checks it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from codegen.llvm_backend import LLVMKernel, build
+from search.state import State
+from tasks.reference import evaluate, mismatch
+
+# Small shapes of every op in the library (odd sizes on purpose: they exercise imperfect tiling).
+SMALL_WORKLOADS = {
+    "matmul": (33, 20, 17),
+    "matmul_bias_relu": (16, 40, 24),
+    "dense": (2, 24, 20),
+    "batch_matmul": (2, 12, 10, 8),
+    "batch_matmul_tb": (2, 12, 10, 8, True),
+    "conv1d": (1, 20, 4, 8, 3, 2, 1),
+    "conv2d": (1, 10, 10, 4, 8, 3, 3, 1, 1),
+    "conv2d_nhwc": (1, 9, 9, 4, 8, 3, 3, 2, 1, 1, "NHWC"),
+    "conv2d_relu": (1, 8, 8, 4, 8, 3, 3, 1, 1, True),
+    "conv3d": (1, 4, 6, 6, 2, 4, 3, 3, 3, 1, 1),
+    "group_conv2d": (1, 8, 8, 8, 8, 3, 3, 2, 1, 2),
+    "dilated_conv2d": (1, 12, 12, 3, 4, 3, 3, 1, 2, 2),
+    "depthwise_conv2d": (1, 10, 10, 8, 3, 2, 1),
+    "conv2d_transpose": (1, 4, 4, 4, 3, 4, 4, 2, 1),
+    "capsule_conv2d": (1, 6, 6, 2, 4, 3, 3, 1, 1, 2),
+    "norm": (2, 16, 12),
+    "softmax": (4, 20),
+    "layer_norm": (4, 24),
+    "max_pool2d": (1, 4, 9, 9, 3, 2, 1),
+    "avg_pool2d": (1, 3, 8, 8, 3, 2, 1),
+    "elementwise": (1, 3, 5, 7, "add_relu"),
+    "elementwise_gelu": (1, 2, 3, 10, "gelu"),
+    "elementwise_sigmoid": (1, 2, 3, 10, "sigmoid"),
+}
+
+
+def small_dag(key: str):
+    from tasks.workload_registry import make_dag
+    name = {"batch_matmul_tb": "batch_matmul", "conv2d_nhwc": "conv2d", "elementwise_gelu": "elementwise",
+            "elementwise_sigmoid": "elementwise"}.get(key, key)
+    return make_dag(name, *SMALL_WORKLOADS[key])
+
+
+def check_state(state: State, seed: int = 0) -> None:
+    """Build the state, run it on fresh random inputs, and compare every output with the reference."""
+    dag = state.dag
+    kernel = LLVMKernel(build(state))
+    inputs = dag.random_inputs(seed)
+    outs = [np.full(t.shape, np.nan, dtype=t.dtype) for t in dag.outputs]
+    kernel(*inputs, *outs)
+    for t, out, ref in zip(dag.outputs, outs, evaluate(dag, inputs)):
+        bad = mismatch(out, ref)
+        assert bad is None, f"{t.name}: {bad}\nsteps: {state.steps_json()}"
+
+
+@pytest.fixture(params=sorted(SMALL_WORKLOADS))
+def small_workload(request):
+    return small_dag(request.param)
