@@ -1,0 +1,190 @@
+"""Operator builders that networks need beyond the TOPI-style library in `tasks.ops`.
+
+Layout and data-movement ops (transpose, strided slice, gather, concat), numpy-semantics matmul over
+any number of batch dimensions, pooling with asymmetric padding and ONNX's exclusive average, and
+inference batch norm as a per-channel scale and shift. Like `tasks.ops`, each checks its shapes and
+raises a ValueError naming what is wrong.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from tasks import te
+from tasks.ops import broadcast_shape
+from tasks.te import Tensor
+
+
+def _broadcast_index(t: Tensor, idx: tuple, out_shape: tuple) -> tuple:
+    off = len(out_shape) - t.ndim
+    return tuple(0 if t.shape[d] == 1 and out_shape[off + d] != 1 else idx[off + d] for d in range(t.ndim))
+
+
+def broadcast_binary(a: Tensor | float, b: Tensor | float, fn: Callable, name: str) -> Tensor:
+    """out = fn(a, b) with numpy broadcasting; either side may be a Python scalar (a folded constant)."""
+    if not isinstance(a, Tensor) and not isinstance(b, Tensor):
+        raise ValueError(f"{name}: at least one operand must be a tensor")
+    if not isinstance(b, Tensor):
+        return te.compute(a.shape, lambda *i: fn(a[i], te.const(b, a.dtype)), name=name)
+    if not isinstance(a, Tensor):
+        return te.compute(b.shape, lambda *i: fn(te.const(a, b.dtype), b[i]), name=name)
+    shape = broadcast_shape(a.shape, b.shape)
+    return te.compute(shape, lambda *i: fn(a[_broadcast_index(a, i, shape)], b[_broadcast_index(b, i, shape)]),
+                      name=name)
+
+
+def matmul_nd(a: Tensor, b: Tensor, name: str = "T_matmul") -> Tensor:
+    """numpy.matmul for rank >= 2 operands: batch dimensions broadcast, the last two multiply."""
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"matmul: needs rank >= 2 operands, got {list(a.shape)} and {list(b.shape)}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"matmul: {list(a.shape)} x {list(b.shape)} do not chain (inner {a.shape[-1]} vs "
+                         f"{b.shape[-2]})")
+    batch = broadcast_shape(a.shape[:-2], b.shape[:-2])
+    nb = len(batch)
+    k = te.reduce_axis(a.shape[-1], "k")
+
+    def operand_index(t: Tensor, idx: tuple, last_two: tuple) -> tuple:
+        off = nb - (t.ndim - 2)
+        lead = tuple(0 if t.shape[d] == 1 and batch[off + d] != 1 else idx[off + d] for d in range(t.ndim - 2))
+        return lead + last_two
+
+    def f(*idx):
+        i, j = idx[nb], idx[nb + 1]
+        return te.sum(a[operand_index(a, idx, (i, k))] * b[operand_index(b, idx, (k, j))], axis=k)
+    return te.compute(batch + (a.shape[-2], b.shape[-1]), f, name=name)
+
+
+def transpose(x: Tensor, perm: Sequence[int], name: str = "T_transpose") -> Tensor:
+    if sorted(perm) != list(range(x.ndim)):
+        raise ValueError(f"transpose: perm {list(perm)} is not a permutation of 0..{x.ndim - 1}")
+    inverse = [0] * x.ndim
+    for out_axis, in_axis in enumerate(perm):
+        inverse[in_axis] = out_axis
+    return te.compute(tuple(x.shape[p] for p in perm), lambda *i: x[tuple(i[inverse[d]] for d in range(x.ndim))],
+                      name=name)
+
+
+def strided_slice(x: Tensor, begin: Sequence[int], step: Sequence[int], out_shape: Sequence[int],
+                  name: str = "T_strided_slice") -> Tensor:
+    """out[i] = x[begin + i * step] per axis (the graph resolves ends into `out_shape`)."""
+    if not (len(begin) == len(step) == len(out_shape) == x.ndim):
+        raise ValueError(f"strided_slice: begin/step/shape need {x.ndim} entries, got {begin}/{step}/{out_shape}")
+    for d, (b, s, n) in enumerate(zip(begin, step, out_shape)):
+        last = b + (n - 1) * s
+        if not (0 <= b < x.shape[d] and 0 <= last < x.shape[d]):
+            raise ValueError(f"strided_slice: axis {d} reads {b}..{last} of a dimension of size {x.shape[d]}")
+    return te.compute(tuple(out_shape), lambda *i: x[tuple(b + ax * s if s != 1 else ax + b
+                                                        for ax, b, s in zip(i, begin, step))], name=name)
+
+
+def gather(data: Tensor, indices: Tensor, axis: int = 0, name: str = "T_take") -> Tensor:
+    """out[..., j..., ...] = data[..., indices[j...], ...]; negative indices wrap, others are clamped."""
+    axis = axis % data.ndim
+    if te.is_float(indices.dtype) or indices.dtype == "bool":
+        raise ValueError(f"gather: indices must be integers, got {indices.dtype}")
+    n = data.shape[axis]
+    shape = data.shape[:axis] + indices.shape + data.shape[axis + 1:]
+
+    def f(*i):
+        raw = te.cast("int64", indices[i[axis: axis + indices.ndim]])
+        wrapped = te.if_then_else(raw < 0, raw + n, raw)
+        safe = te.maximum(te.minimum(wrapped, te.const(n - 1, "int64")), te.const(0, "int64"))
+        return data[i[:axis] + (safe,) + i[axis + indices.ndim:]]
+    return te.compute(shape, f, name=name)
+
+
+def concat(xs: Sequence[Tensor], axis: int, name: str = "T_concat") -> Tensor:
+    if not xs:
+        raise ValueError("concat: needs at least one tensor")
+    rank = xs[0].ndim
+    axis = axis % rank
+    for x in xs[1:]:
+        if x.ndim != rank or any(a != b for d, (a, b) in enumerate(zip(x.shape, xs[0].shape)) if d != axis):
+            raise ValueError(f"concat: shapes {[list(t.shape) for t in xs]} differ outside axis {axis}")
+    offsets = [0]
+    for x in xs:
+        offsets.append(offsets[-1] + x.shape[axis])
+    shape = xs[0].shape[:axis] + (offsets[-1],) + xs[0].shape[axis + 1:]
+
+    def f(*i):
+        def part(k):
+            return xs[k][i[:axis] + (i[axis] - offsets[k],) + i[axis + 1:]]
+        out = part(len(xs) - 1)
+        for k in range(len(xs) - 2, -1, -1):      # inputs before the last: select by the next offset
+            out = te.if_then_else(i[axis] < offsets[k + 1], part(k), out)
+        return out
+    return te.compute(shape, f, name=name)
+
+
+def pool2d_nchw(data: Tensor, kernel: Sequence[int], stride: Sequence[int], pads: Sequence[int], kind: str = "max",
+                count_include_pad: bool = True, name: str | None = None) -> Tensor:
+    """Max or average pooling with pads (top, left, bottom, right); the exclusive average divides by
+    the number of in-bounds elements of each window (ONNX's count_include_pad=0)."""
+    if data.ndim != 4:
+        raise ValueError(f"pool2d: data must be NCHW, got shape {list(data.shape)}")
+    if kind not in ("max", "avg"):
+        raise ValueError(f"pool2d: kind must be 'max' or 'avg', got {kind!r}")
+    (kh, kw), (sh, sw), (pt, pl, pb, pr) = kernel, stride, pads
+    n, c, h, w = data.shape
+    oh, ow = (h + pt + pb - kh) // sh + 1, (w + pl + pr - kw) // sw + 1
+    if oh <= 0 or ow <= 0:
+        raise ValueError(f"pool2d: kernel {kh}x{kw} does not fit input {h}x{w} with pads {list(pads)}")
+    fill = -3.4028234663852886e38 if kind == "max" else 0.0
+    if any((pt, pl, pb, pr)):
+        def padded(b, cc, y, x):
+            return te.if_then_else(te.all(y >= pt, y < pt + h, x >= pl, x < pl + w),
+                                   data[b, cc, y - pt, x - pl], te.const(fill, data.dtype))
+        src = te.compute((n, c, h + pt + pb, w + pl + pr), padded, name="pad_temp")
+    else:
+        src = data
+    ry, rx = te.reduce_axis(kh, "ry"), te.reduce_axis(kw, "rx")
+    if kind == "max":
+        return te.compute((n, c, oh, ow), lambda b, cc, y, x: te.max(src[b, cc, y * sh + ry, x * sw + rx],
+                                                                   axis=[ry, rx]), name=name or "pool_max")
+    total = te.compute((n, c, oh, ow), lambda b, cc, y, x: te.sum(src[b, cc, y * sh + ry, x * sw + rx],
+                                                                 axis=[ry, rx]), name="pool_sum")
+    if count_include_pad or not any((pt, pl, pb, pr)):
+        return te.compute(total.shape, lambda *i: total[i] / float(kh * kw), name=name or "pool_avg")
+
+    def count(y, x):
+        rows = te.minimum(y * sh + kh, te.const(pt + h, "int64")) - te.maximum(y * sh, te.const(pt, "int64"))
+        cols = te.minimum(x * sw + kw, te.const(pl + w, "int64")) - te.maximum(x * sw, te.const(pl, "int64"))
+        return te.cast(data.dtype, rows * cols)
+    return te.compute(total.shape, lambda b, cc, y, x: total[b, cc, y, x] / count(y, x), name=name or "pool_avg")
+
+
+def batch_norm_inference(x: Tensor, gamma: Tensor, beta: Tensor, mean: Tensor, var: Tensor, eps: float = 1e-5,
+                         name: str = "T_batch_norm") -> Tensor:
+    """(x - mean) / sqrt(var + eps) * gamma + beta over axis 1 (for statistics that are not constants;
+    constant statistics are folded into a scale and shift before extraction)."""
+    c = x.shape[1] if x.ndim >= 2 else 0
+    for what, t in (("gamma", gamma), ("beta", beta), ("mean", mean), ("var", var)):
+        if t.shape != (c,):
+            raise ValueError(f"batch_norm: {what} must have shape [{c}], got {list(t.shape)}")
+    return te.compute(x.shape, lambda *i: (x[i] - mean[i[1]]) * te.rsqrt(var[i[1]] + eps) * gamma[i[1]]
+                      + beta[i[1]], name=name)
+
+
+def reduce(x: Tensor, axes: Sequence[int], keepdims: bool = True, kind: str = "sum", name: str | None = None) -> Tensor:
+    """Sum or mean over `axes` (numpy semantics, keepdims or not)."""
+    axes = sorted({a % x.ndim for a in axes})
+    if kind not in ("sum", "mean"):
+        raise ValueError(f"reduce: kind must be 'sum' or 'mean', got {kind!r}")
+    red = {a: te.reduce_axis(x.shape[a], f"k{a}") for a in axes}
+    keep = [d for d in range(x.ndim) if d not in red]
+    shape = tuple(1 if d in red else x.shape[d] for d in range(x.ndim)) if keepdims else tuple(x.shape[d] for d in keep)
+    count = 1
+    for a in axes:
+        count *= x.shape[a]
+
+    def f(*i):
+        if keepdims:
+            idx = tuple(red[d] if d in red else i[d] for d in range(x.ndim))
+        else:
+            it = iter(i)
+            idx = tuple(red[d] if d in red else next(it) for d in range(x.ndim))
+        return te.sum(x[idx], axis=[red[a] for a in axes])
+    total = te.compute(shape, f, name=name or f"T_reduce_{kind}" if kind == "sum" else "T_reduce_sum")
+    if kind == "sum":
+        return total
+    return te.compute(shape, lambda *i: total[i] / float(count), name=name or "T_reduce_mean")
