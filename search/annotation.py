@@ -1,0 +1,137 @@
+"""Random annotation: turn a sketch into a complete program (Ansor §4.2, TVM's init population rules).
+
+Fill the open tile sizes with a random factorisation, pick compute locations, fuse and parallelise the
+outer loops, vectorise the inner ones, choose an auto-unroll depth. Every rule keeps the program valid
+(tile sizes always multiply to the extent), so sampling never wastes work on broken programs.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import replace as dc_replace
+
+from search import utils
+from search.sketch_rules import Sketch
+from search.state import IllegalStep, State
+
+AUTO_UNROLL_CPU = (0, 16, 64, 512)
+AUTO_UNROLL_GPU = (0, 16, 64, 512, 1024)
+
+
+class InvalidSample(Exception):
+    """The rule could not produce a valid program for this sample (it is dropped)."""
+
+
+def fill_tile_sizes(sketch: Sketch, rng: random.Random, max_innermost: int) -> list:
+    """The sketch's steps with every open split filled by a random factorisation of its extent."""
+    steps = list(sketch.state.steps)
+    for i in sketch.tunable:
+        st = steps[i]
+        schemes = utils.factorization_schemes(st.extent, len(st.lengths), max_innermost)
+        steps[i] = dc_replace(st, lengths=rng.choice(schemes))
+    return steps
+
+
+def change_compute_location(state: State, rng: random.Random) -> State:
+    for sid in range(len(state.stages) - 1, -1, -1):
+        stage = state.stages[sid]
+        if stage.is_placeholder or stage.compute_at == "inline":
+            continue
+        if utils.is_tiled(stage) or utils.needs_multi_level_tiling(state, sid):
+            continue
+        candidates = utils.compute_location_candidates(state, sid)
+        choice = rng.randrange(len(candidates) + 2)
+        try:
+            if choice == 0:
+                if not utils.has_reduce_iter(stage) and not utils.is_output(state, sid):
+                    state = state.compute_inline(sid)
+            elif choice == 1:
+                state = state.compute_root(sid)
+            else:
+                target, it = candidates[choice - 2]
+                state = state.compute_at(sid, target, it)
+        except IllegalStep:
+            continue
+    return state
+
+
+def annotate_parallel(state: State, num_cores: int) -> State:
+    def annotate(s: State, sid: int, offset: int) -> State:
+        stage = s.stages[sid]
+        to_fuse, degree = [], 1
+        i = offset
+        while i < len(stage.iters):
+            it = stage.iters[i]
+            if it.kind == "reduce" or it.annotation != "none":
+                break
+            to_fuse.append(i)
+            degree *= it.extent
+            if degree > num_cores * 16 or utils.has_attached(s, sid, i):
+                break
+            i += 1
+        if degree == 1 and i < len(stage.iters):
+            attached = utils.attached_stages(s, sid, i)
+            if attached:
+                names = [s.stages[a].name for a in attached]
+                for n in names:
+                    s = annotate(s, s.stage_id(n), 0)
+                s = annotate(s, sid, i + 1)
+        if to_fuse:
+            if len(to_fuse) > 1:
+                s = s.fuse(sid, to_fuse)
+            s = s.parallel(sid, to_fuse[0])
+        return s
+
+    for name in [st.name for st in state.stages if st.compute_at == "root" and not st.is_placeholder]:
+        state = annotate(state, state.stage_id(name), 0)
+    return state
+
+
+def annotate_unroll(state: State, rng: random.Random, configs=AUTO_UNROLL_CPU) -> State:
+    for sid, stage in enumerate(state.stages):
+        if stage.is_placeholder or stage.compute_at == "inline":
+            continue
+        if utils.has_reduce_iter(stage):
+            state = state.pragma(sid, 0, f"auto_unroll_max_step${rng.choice(configs)}")
+    return state
+
+
+def annotate_vectorization(state: State, rng: random.Random, max_vectorize: int) -> State:
+    for sid in range(len(state.stages)):
+        stage = state.stages[sid]
+        if stage.is_placeholder or stage.compute_at == "inline":
+            continue
+        n = len(stage.iters)
+        num, prod = 0, 1
+        tiled = utils.is_tiled(stage)
+        while num < n:
+            i = n - 1 - num
+            it = stage.iters[i]
+            if utils.has_attached(state, sid, i) or it.kind == "reduce" or it.annotation != "none":
+                break
+            if tiled and num != 0:
+                break
+            prod *= it.extent
+            if prod > max_vectorize:
+                break
+            num += 1
+        if num > 1:
+            num = 1 + rng.randrange(num - 1)
+        if num == 1:
+            state = state.vectorize(sid, n - 1)
+        elif num > 1:
+            state = state.fuse(sid, list(range(n - num, n))).vectorize(sid, n - num)
+    return state
+
+
+def sample_state(sketch: Sketch, rng: random.Random, num_cores: int, params: dict) -> State:
+    """One random complete program from a sketch (CPU rules)."""
+    steps = fill_tile_sizes(sketch, rng, params.get("max_innermost_split_factor", 64))
+    state = State.replay(sketch.state.dag, steps)
+    if not params.get("disable_change_compute_location", 0):
+        state = change_compute_location(state, rng)
+    state = annotate_parallel(state, num_cores)
+    state = annotate_unroll(state, rng)
+    state = annotate_vectorization(state, rng, params.get("max_vectorize_size", 16))
+    if utils.has_nested_parallel(state):
+        raise InvalidSample("nested parallel loops")
+    return state

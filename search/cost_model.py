@@ -1,0 +1,240 @@
+"""Cost models that rank candidate programs: XGBoost with Ansor's pack-sum objective, and a random one.
+
+A program's score is the sum of the predictions for its statements (one feature row per stage). The
+model learns throughput normalised to [0, 1] within each task, with squared error weighted by that
+throughput (good programs matter more), and is retrained from all data each time. Every training
+reports held-out pairwise accuracy and recall@k, so a user can see whether it learns anything.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from search.feature import N_FEATURES, FeatureExtractor
+from search.state import State
+from tasks.search_task import SearchTask
+
+XGB_PARAMS = {"max_depth": 10, "gamma": 0.001, "min_child_weight": 0, "eta": 0.2, "verbosity": 0,
+              "disable_default_eval_metric": 1, "nthread": 2}
+
+
+class CostModel:
+    """Higher score = predicted faster."""
+
+    def predict(self, task: SearchTask, states: list[State]) -> np.ndarray:
+        raise NotImplementedError
+
+    def update(self, task: SearchTask, states: list[State], costs: list[float]) -> None:
+        """Learn from measurements (`costs` in seconds; inf for failures)."""
+
+    @property
+    def is_random(self) -> bool:
+        return False
+
+
+class RandomModel(CostModel):
+    """For ablation: ranks programs at random."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+
+    def predict(self, task, states):
+        return self.rng.uniform(size=len(states))
+
+    @property
+    def is_random(self) -> bool:
+        return True
+
+
+@dataclass
+class TrainingMetrics:
+    n_programs: int
+    n_tasks: int
+    pairwise_accuracy: float       # held-out, fraction of correctly ordered pairs within a task
+    recall_at_k: float             # held-out, |true top-k ∩ predicted top-k| / k
+    k: int
+    train_rmse: float
+    rounds: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def pack_sum(preds: np.ndarray, pack_ids: np.ndarray, n: int) -> np.ndarray:
+    return np.bincount(pack_ids, weights=preds, minlength=n)
+
+
+def pairwise_accuracy(pred: np.ndarray, true: np.ndarray) -> float:
+    i, j = np.triu_indices(len(true), 1)
+    keep = true[i] != true[j]
+    if not keep.any():
+        return float("nan")
+    return float(np.mean(np.sign(pred[i] - pred[j])[keep] == np.sign(true[i] - true[j])[keep]))
+
+
+def recall_at_k(pred: np.ndarray, true: np.ndarray, k: int) -> float:
+    k = min(k, len(true))
+    if k == 0:
+        return float("nan")
+    return len(set(np.argsort(-true)[:k]) & set(np.argsort(-pred)[:k])) / k
+
+
+class XGBModel(CostModel):
+    """The learned model. Data is kept per task; `fit` retrains from everything it has seen."""
+
+    def __init__(self, num_warmup_sample: int = 100, seed: int = 0, holdout: float = 0.2, k: int = 10,
+                 max_rounds: int = 400, early_stopping: int = 50):
+        self.num_warmup_sample, self.seed, self.holdout, self.k = num_warmup_sample, seed, holdout, k
+        self.max_rounds, self.early_stopping = max_rounds, early_stopping
+        self.booster = None
+        self.extractors: dict[str, FeatureExtractor] = {}
+        self.data: dict[str, list[tuple[np.ndarray, float]]] = {}   # workload key -> [(features, throughput)]
+        self.metrics: TrainingMetrics | None = None
+        self.version = 0
+        self._fallback = RandomModel(seed)
+
+    # ------------------------------------------------------------------ data
+
+    def extractor(self, task: SearchTask) -> FeatureExtractor:
+        ex = self.extractors.get(task.workload_key)
+        if ex is None:
+            ex = self.extractors[task.workload_key] = FeatureExtractor(task)
+        return ex
+
+    def add(self, task: SearchTask, states: list[State], costs: list[float]) -> None:
+        feats = self.extractor(task)(states)
+        rows = self.data.setdefault(task.workload_key, [])
+        for f, c in zip(feats, costs):
+            thr = task.flops / c if c and math.isfinite(c) and c > 0 else 0.0
+            rows.append((f.astype(np.float32), thr))
+
+    def update(self, task, states, costs) -> None:
+        self.add(task, states, costs)
+        self.fit()
+
+    @property
+    def n_programs(self) -> int:
+        return sum(len(v) for v in self.data.values())
+
+    # ------------------------------------------------------------------ training
+
+    def _matrix(self, programs: list[tuple[np.ndarray, float]]):
+        feats = [f for f, _ in programs]
+        pack_ids = np.concatenate([np.full(len(f), i) for i, f in enumerate(feats)]).astype(np.int64)
+        x = np.concatenate(feats) if feats else np.zeros((0, N_FEATURES), np.float32)
+        return x, pack_ids
+
+    def _normalised(self) -> dict[str, list[tuple[np.ndarray, float]]]:
+        out = {}
+        for key, rows in self.data.items():
+            best = max((t for _, t in rows), default=0.0)
+            out[key] = [(f, t / best if best > 0 else 0.0) for f, t in rows]
+        return out
+
+    def _train(self, programs: list[tuple[np.ndarray, float]]):
+        import xgboost as xgb
+        x, pack_ids = self._matrix(programs)
+        y = np.array([t for _, t in programs], dtype=np.float64)
+        n = len(programs)
+        row_y = y[pack_ids]
+        dtrain = xgb.DMatrix(x, label=row_y, weight=np.maximum(row_y, 1e-3))
+
+        def objective(preds, dmat):
+            summed = pack_sum(preds, pack_ids, n)[pack_ids]
+            grad = (summed - row_y) * dmat.get_weight()
+            return grad, dmat.get_weight().astype(np.float64)
+
+        def rmse(preds, dmat):
+            summed = pack_sum(preds, pack_ids, n)
+            return "p-rmse", float(np.sqrt(np.mean((summed - y) ** 2)))
+
+        params = dict(XGB_PARAMS, seed=self.seed, base_score=0.0)
+        booster = xgb.train(params, dtrain, num_boost_round=self.max_rounds, obj=objective,
+                            custom_metric=rmse, evals=[(dtrain, "tr")],
+                            early_stopping_rounds=self.early_stopping, verbose_eval=False)
+        return booster
+
+    def _predict_rows(self, booster, feats: list[np.ndarray]) -> np.ndarray:
+        import xgboost as xgb
+        x, pack_ids = self._matrix([(f, 0.0) for f in feats])
+        preds = booster.predict(xgb.DMatrix(x), iteration_range=(0, booster.best_iteration + 1))
+        return pack_sum(preds, pack_ids, len(feats))
+
+    def fit(self) -> TrainingMetrics | None:
+        """Retrain from all data; measure held-out ranking quality on a split first."""
+        if self.n_programs < 8:
+            return None
+        data = self._normalised()
+        rng = random.Random(self.seed + self.version)
+        train, held = [], {}
+        for key, rows in data.items():
+            idx = list(range(len(rows)))
+            rng.shuffle(idx)
+            n_held = int(len(rows) * self.holdout) if len(rows) >= 10 else 0
+            held[key] = [rows[i] for i in idx[:n_held]]
+            train += [rows[i] for i in idx[n_held:]]
+        acc, rec = [], []
+        if any(held.values()):
+            booster = self._train(train)
+            for rows in held.values():
+                if len(rows) < 2:
+                    continue
+                pred = self._predict_rows(booster, [f for f, _ in rows])
+                true = np.array([t for _, t in rows])
+                acc.append(pairwise_accuracy(pred, true))
+                rec.append(recall_at_k(pred, true, self.k))
+        all_rows = [r for rows in data.values() for r in rows]
+        self.booster = self._train(all_rows)
+        pred = self._predict_rows(self.booster, [f for f, _ in all_rows])
+        true = np.array([t for _, t in all_rows])
+        self.version += 1
+        self.metrics = TrainingMetrics(
+            len(all_rows), len(data), float(np.nanmean(acc)) if acc else float("nan"),
+            float(np.nanmean(rec)) if rec else float("nan"), self.k,
+            float(np.sqrt(np.mean((pred - true) ** 2))), int(self.booster.best_iteration + 1))
+        return self.metrics
+
+    # ------------------------------------------------------------------ prediction
+
+    def predict(self, task, states):
+        if self.booster is None or self.n_programs < self.num_warmup_sample:
+            return self._fallback.predict(task, states)
+        return self.predict_features(self.extractor(task)(states))
+
+    def predict_features(self, feats: list[np.ndarray]) -> np.ndarray:
+        return self._predict_rows(self.booster, feats)
+
+    @property
+    def is_random(self) -> bool:
+        return self.booster is None or self.n_programs < self.num_warmup_sample
+
+    # ------------------------------------------------------------------ persistence
+
+    def save_bytes(self) -> bytes:
+        """The trained booster plus its metrics (the training data stays in the record store)."""
+        if self.booster is None:
+            raise ValueError("the model has not been trained yet")
+        raw = bytes(self.booster.save_raw("ubj"))
+        meta = json.dumps({"version": self.version, "n_programs": self.n_programs,
+                           "metrics": self.metrics.as_dict() if self.metrics else None,
+                           "best_iteration": int(self.booster.best_iteration)}).encode()
+        return len(meta).to_bytes(4, "little") + meta + raw
+
+    @staticmethod
+    def load_bytes(blob: bytes, **kw) -> "XGBModel":
+        import xgboost as xgb
+        n = int.from_bytes(blob[:4], "little")
+        meta = json.loads(blob[4:4 + n])
+        booster = xgb.Booster()
+        booster.load_model(bytearray(blob[4 + n:]))
+        booster.set_attr(best_iteration=str(meta["best_iteration"]))
+        model = XGBModel(**kw)
+        model.booster, model.version = booster, meta["version"]
+        model.num_warmup_sample = 0
+        if meta.get("metrics"):
+            model.metrics = TrainingMetrics(**meta["metrics"])
+        return model

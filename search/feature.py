@@ -1,0 +1,784 @@
+"""Ansor's per-store features (the 164 floats of TVM's feature.cc), for a whole population at once.
+
+This is the search's hot path. Thousands of candidates share a few structures: they differ only in
+tile sizes and unroll depths. So features are computed per *structure*: a `FeatureTemplate` is built
+once from one representative (loop nests, buffer accesses and their linear index coefficients, all
+symbolic in the tile sizes), and then evaluated with numpy over the numbers of every candidate with
+that structure. Region sizes of stages computed inside other stages are inferred the same way.
+
+Deviations from feature.cc, on purpose: index coefficients are exact linear coefficients (not the
+pattern-matched approximation), `lines` divides by the extents of the loops it skipped (feature.cc
+divides by the innermost extent each time), and serial read-write reuse between an init and an update
+statement is not modelled.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from search.state import (FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, Split, SplitStep,
+                          State, loop_structure)
+from tasks import te
+from tasks.search_task import SearchTask
+from tasks.te import Expr, Var
+
+N_FEATURES = 164
+MAX_N_BUFS = 5
+CURVE_N = 10
+_BYTES = {"float32": 4, "float64": 8, "float16": 2, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1,
+          "bool": 1}
+_GPU_AXES = ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y", "threadIdx.z")
+
+
+def _structural_split(state: State, i: int) -> bool:
+    """A split whose lengths shape an operator (the one feeding an rfactor) is part of the structure."""
+    return i + 1 < len(state.steps) and isinstance(state.steps[i + 1], RfactorStep)
+
+
+def structure_key(state: State) -> str:
+    """Equal for states that differ only in tile sizes and unroll depths."""
+    key = []
+    for i, st in enumerate(state.steps):
+        if isinstance(st, SplitStep) and not _structural_split(state, i):
+            key.append(["SP", st.stage_id, st.iter_id, st.extent, len(st.lengths), int(st.inner_to_outer)])
+        elif isinstance(st, PragmaStep) and st.pragma.startswith("auto_unroll_max_step"):
+            key.append(["PR", st.stage_id, st.iter_id])
+        else:
+            key.append(st.to_json())
+    return json.dumps(key, separators=(",", ":"))
+
+
+def _slots(state: State) -> list[tuple[int, int]]:
+    """(step index, position) of every number a structure leaves open; position -1 = pragma value."""
+    out = []
+    for i, st in enumerate(state.steps):
+        if isinstance(st, SplitStep) and not _structural_split(state, i):
+            out += [(i, k) for k in range(len(st.lengths))]
+        elif isinstance(st, PragmaStep) and st.pragma.startswith("auto_unroll_max_step"):
+            out.append((i, -1))
+    return out
+
+
+def state_numbers(state: State, slots: list[tuple[int, int]]) -> list[int]:
+    return [state.steps[i].lengths[k] if k >= 0 else state.steps[i].parsed()[1] for i, k in slots]
+
+
+# ------------------------------------------------------------------------------------ expressions
+
+def _py(e, names: dict) -> str:
+    """Python/numpy source of an integer expression over symbol arrays."""
+    if isinstance(e, int):
+        return str(e)
+    if isinstance(e, te.Const):
+        return repr(e.value)
+    if isinstance(e, Var):
+        return f"e[{names[e]!r}]"
+    if isinstance(e, te.BinOp):
+        a, b = _py(e.a, names), _py(e.b, names)
+        return {"add": f"({a} + {b})", "sub": f"({a} - {b})", "mul": f"({a} * {b})",
+                "floordiv": f"({a} // {b})", "floormod": f"({a} % {b})", "div": f"({a} / {b})",
+                "min": f"np.minimum({a}, {b})", "max": f"np.maximum({a}, {b})"}[e.op]
+    if isinstance(e, te.Cast):
+        return _py(e.value, names)
+    raise TypeError(f"feature template cannot evaluate {type(e).__name__}")
+
+
+def _compile(exprs: list, names: dict):
+    """One function computing all `exprs` from an env dict of arrays (straight-line numpy)."""
+    body = ", ".join(_py(x, names) for x in exprs)
+    return eval(f"lambda e: ({body},)", {"np": np})  # noqa: S307 - source generated from our own trees
+
+
+@dataclass
+class _Linear:
+    """index = sum(coef[v] * v) + sum(atoms) + const, over the loop variables of one nest."""
+    coef: dict = field(default_factory=dict)      # loop var -> coefficient expression
+    atoms: list = field(default_factory=list)     # non-linear parts containing loop vars
+
+
+def _linear(e: Expr, loop_vars: set) -> _Linear:
+    if isinstance(e, Var):
+        return _Linear({e: 1}) if e in loop_vars else _Linear()
+    if isinstance(e, te.Const):
+        return _Linear()
+    if isinstance(e, te.BinOp) and not te.is_float(e.dtype):
+        if e.op in ("add", "sub"):
+            a, b = _linear(e.a, loop_vars), _linear(e.b, loop_vars)
+            coef = dict(a.coef)
+            for v, c in b.coef.items():
+                c = c if e.op == "add" else te.binary("sub", te.const(0), te.as_expr(c))
+                coef[v] = te.binary("add", te.as_expr(coef[v]), te.as_expr(c)) if v in coef else c
+            return _Linear(coef, a.atoms + b.atoms)
+        if e.op == "mul":
+            for x, y in ((e.a, e.b), (e.b, e.a)):
+                if not (te.free_vars(y) & loop_vars):
+                    inner = _linear(x, loop_vars)
+                    return _Linear({v: te.binary("mul", te.as_expr(c), y) for v, c in inner.coef.items()},
+                                   [te.binary("mul", a, y) for a in inner.atoms])
+    if te.free_vars(e) & loop_vars:
+        return _Linear({}, [e])
+    return _Linear()
+
+
+class _IntervalCompiler:
+    """Straight-line numpy source for the bounds of an index expression: loop variables in `ranging`
+    span [0, X[v] - 1] (X: their extents), other loop variables are held at 0, symbols take their
+    values. Sub-expressions become local variables, so shared subtrees are bounded once."""
+
+    def __init__(self, names: dict, loop_vars: set):
+        self.names, self.loop_vars = names, loop_vars
+        self.lines: list[str] = []
+        self.memo: dict = {}
+
+    def bound(self, e: Expr, ranging: frozenset) -> tuple[str, str]:
+        key = (id(e), ranging)
+        if key in self.memo:
+            return self.memo[key]
+        out = self._bound(e, ranging)
+        if not (out[0].replace(".", "").replace("-", "").isdigit()):
+            n = len(self.lines)
+            self.lines.append(f"l{n} = {out[0]}; h{n} = {out[1]}")
+            out = (f"l{n}", f"h{n}")
+        self.memo[key] = out
+        return out
+
+    def _bound(self, e: Expr, ranging: frozenset) -> tuple[str, str]:
+        if isinstance(e, te.Const):
+            return repr(e.value), repr(e.value)
+        if isinstance(e, Var):
+            if e in self.loop_vars:
+                return ("0", f"(X[{self.names[e]!r}] - 1)") if e in ranging else ("0", "0")
+            return f"e[{self.names[e]!r}]", f"e[{self.names[e]!r}]"
+        if isinstance(e, te.Cast):
+            return self.bound(e.value, ranging)
+        if isinstance(e, te.BinOp):
+            (al, ah), (bl, bh) = self.bound(e.a, ranging), self.bound(e.b, ranging)
+            if e.op == "add":
+                return f"({al} + {bl})", f"({ah} + {bh})"
+            if e.op == "sub":
+                return f"({al} - {bh})", f"({ah} - {bl})"
+            if e.op == "mul":
+                c = f"({al} * {bl}), ({al} * {bh}), ({ah} * {bl}), ({ah} * {bh})"
+                return f"_min4({c})", f"_max4({c})"
+            if e.op == "floordiv":
+                return f"({al} // np.maximum({bh}, 1))", f"({ah} // np.maximum({bl}, 1))"
+            if e.op == "floormod":
+                return f"_mod_lo({al}, {ah}, {bl})", f"_mod_hi({al}, {ah}, {bl}, {bh})"
+            if e.op in ("min", "max"):
+                f = "np.minimum" if e.op == "min" else "np.maximum"
+                return f"{f}({al}, {bl})", f"{f}({ah}, {bh})"
+        if isinstance(e, te.Select):
+            (tl, th), (fl, fh) = self.bound(e.t, ranging), self.bound(e.f, ranging)
+            return f"np.minimum({tl}, {fl})", f"np.maximum({th}, {fh})"
+        return "0", "0"
+
+
+def _min4(a, b, c, d):
+    return np.minimum(np.minimum(a, b), np.minimum(c, d))
+
+
+def _max4(a, b, c, d):
+    return np.maximum(np.maximum(a, b), np.maximum(c, d))
+
+
+def _mod_inside(al, ah, c):
+    c = np.maximum(c, 1)
+    return (ah - al < c) & (al % c <= ah % c), c
+
+
+def _mod_lo(al, ah, bl):
+    inside, c = _mod_inside(al, ah, bl)
+    return np.where(inside, al % c, 0)
+
+
+def _mod_hi(al, ah, bl, bh):
+    inside, c = _mod_inside(al, ah, bl)
+    return np.where(inside, ah % c, np.maximum(bh - 1, 0))
+
+
+# ------------------------------------------------------------------------------------ op counts
+
+@dataclass
+class _OpCounts:
+    float_addsub: int = 0
+    float_mul: int = 0
+    float_divmod: int = 0
+    float_cmp: int = 0
+    float_math: int = 0
+    int_addsub: int = 0
+    int_mul: int = 0
+    int_divmod: int = 0
+    int_cmp: int = 0
+    int_math: int = 0
+    bool_op: int = 0
+    select_op: int = 0
+
+    def vector(self) -> list[int]:
+        # float_mad, addsub, mul, divmod, cmp, math_func, other_func, then the int ones, bool, select
+        return [0, self.float_addsub, self.float_mul, self.float_divmod, self.float_cmp, self.float_math, 0,
+                0, self.int_addsub, self.int_mul, self.int_divmod, self.int_cmp, self.int_math, 0,
+                self.bool_op, self.select_op]
+
+    @property
+    def float_ops(self) -> int:
+        return self.float_addsub + self.float_mul + self.float_divmod + self.float_cmp + self.float_math
+
+
+def _count_ops(e: Expr) -> _OpCounts:
+    c = _OpCounts()
+    for n in te.walk(e):
+        if isinstance(n, (te.BinOp, te.Cmp)):
+            if n.op in ("and", "or"):
+                c.bool_op += 1
+                continue
+            f = te.is_float(n.a.dtype)
+            kind = {"add": "addsub", "sub": "addsub", "mul": "mul", "div": "divmod", "floordiv": "divmod",
+                    "floormod": "divmod"}.get(n.op, "cmp")
+            setattr(c, f"{'float' if f else 'int'}_{kind}", getattr(c, f"{'float' if f else 'int'}_{kind}") + 1)
+        elif isinstance(n, te.Not):
+            c.bool_op += 1
+        elif isinstance(n, te.Select):
+            c.select_op += 1
+        elif isinstance(n, te.Call):
+            if te.is_float(n.dtype):
+                c.float_math += 1
+            else:
+                c.int_math += 1
+    return c
+
+
+# ------------------------------------------------------------------------------------ template
+
+@dataclass
+class _Access:
+    buffer: str
+    dims: list                   # per dim: _Linear
+    acc_type: int                # 0 read, 1 write, 2 read-write
+    ele_bytes: int
+
+
+@dataclass
+class _Store:
+    """One feature row: a stage's (update) store and the loop nest around it."""
+    stage: str
+    loops: list                  # [(var, annotation, pragmas)], outermost first
+    n_enclosing: int             # loops outside the stage's own (its compute_at scope)
+    accesses: list               # [_Access]
+    ops: _OpCounts
+    alloc: bool                  # the stage's buffer is allocated (not a kernel argument)
+
+
+class FeatureTemplate:
+    """Features of every state with one structure, as a function of its open numbers."""
+
+    def __init__(self, state: State, task: SearchTask):
+        self.slots = _slots(state)
+        self.is_gpu = task.target_kind == "cuda"
+        self.cache_line = task.hardware.cache_line_bytes
+        names: dict[Var, str] = {}
+        sym: dict[tuple[int, int], Var] = {}
+        for i, k in self.slots:
+            v = Var(f"L{i}_{k}" if k >= 0 else f"P{i}")
+            sym[(i, k)], names[v] = v, v.name
+        self._slot_syms = [sym[slot] for slot in self.slots]
+
+        def step_lengths(i: int) -> list:
+            st = state.steps[i]
+            if isinstance(st, SplitStep):
+                return [sym.get((i, k), ln) for k, ln in enumerate(st.lengths)]
+            if isinstance(st, FollowSplitStep):
+                src = step_lengths(st.src_step_id)
+                last = src[st.n_split - 1]
+                for x in src[st.n_split:]:
+                    last = te.binary("mul", te.as_expr(last), te.as_expr(x))
+                return list(src[:st.n_split - 1]) + [last]
+            if isinstance(st, FollowFusedSplitStep):
+                out = 1
+                for s in st.src_step_ids:
+                    out = te.binary("mul", te.as_expr(out), te.as_expr(step_lengths(s)[st.level]))
+                return [out]
+            raise TypeError(f"step {i} makes no split")
+
+        def lengths(rel: Split) -> list:
+            return step_lengths(rel.step)
+
+        # stage ids do not move after the annotation steps, so a pragma step's stage is final
+        pragma_sym = {state.stages[state.steps[i].stage_id].name: sym[(i, -1)] for i, k in self.slots if k < 0}
+        self._tensor_shapes = {st.name: list(st.op.shape) for st in state.stages}
+        bodies = state.effective_bodies()
+        outputs = {t.name for t in task.dag.args}
+        self.stage_names = [s.name for s in state.stages if not s.is_placeholder and s.compute_at != "inline"]
+        self.shapes: dict[str, list] = {}
+        self.region_syms: dict[str, list[Var]] = {}
+        self.ext: dict[Var, object] = {}
+        nests: dict[str, list] = {}
+        enclosing: dict[str, int] = {}
+        values: dict[str, dict] = {}
+        by_name = {s.name: s for s in state.stages}
+        for s in state.stages:
+            if s.is_placeholder:
+                self.shapes[s.name] = list(s.op.shape)
+        for name in self.stage_names:
+            st = by_name[name]
+            if st.compute_at == "iter":
+                rs = [Var(f"R{name}_{d}") for d in range(st.op.ndim)]
+                for v in rs:
+                    names[v] = v.name
+                self.region_syms[name] = rs
+                self.shapes[name] = list(rs)
+                roots = rs + [a.extent for a in st.op.reduce_axes]
+            else:
+                self.shapes[name] = list(st.op.shape)
+                roots = None
+            ls = loop_structure(st, roots, lengths)
+            for it in st.iters:
+                self.ext[it.var] = ls.extents[it.var]
+            values[name] = ls.values
+        # loop nests: the loops of the stages this one is computed in, then its own
+        def nest(name: str) -> list:
+            if name in nests:
+                return nests[name]
+            st = by_name[name]
+            outer = []
+            if st.compute_at == "iter":
+                target, var = st.attach
+                tn = nest(target)
+                j = by_name[target].iter_index(var)
+                outer = tn[:enclosing[target] + j + 1]
+            enclosing[name] = len(outer)
+            own = []
+            for it in st.iters:
+                unroll = dict(it.pragmas).get("auto_unroll_max_step")
+                if unroll is not None:
+                    unroll = pragma_sym.get(name, unroll)
+                own.append((it.var, it.annotation, unroll))
+            nests[name] = outer + own
+            return nests[name]
+
+        self.stores: list[_Store] = []
+        for name in self.stage_names:
+            st = by_name[name]
+            loops = nest(name)
+            loop_vars = {v for v, _, _ in loops}
+            vals = values[name]
+            body = bodies[name]
+            src = body.source if isinstance(body, te.Reduce) else body
+            src = te.substitute(src, vals)
+            reads: dict[str, list] = {}
+            for n in te.walk(src):
+                if isinstance(n, te.Load):
+                    reads.setdefault(n.tensor.name, []).append(n.indices)
+            accesses = []
+            out_idx = [vals[a] for a in st.op.axes]
+            is_update = isinstance(body, te.Reduce)
+            accesses.append(_Access(name, [_linear(i, loop_vars) for i in out_idx], 2 if is_update else 1,
+                                    _BYTES[st.op.dtype]))
+            for buf, idx_list in reads.items():
+                if buf == name:
+                    continue
+                dtype = by_name[buf].op.dtype if buf in by_name else "float32"
+                idx = idx_list[0]
+                accesses.append(_Access(buf, [_linear(i, loop_vars) for i in idx], 0, _BYTES[dtype]))
+            ops = _count_ops(src)
+            if is_update:
+                ops.float_addsub += 1 if te.is_float(st.op.dtype) and body.combiner == "sum" else 0
+                ops.float_cmp += 1 if te.is_float(st.op.dtype) and body.combiner != "sum" else 0
+            self.stores.append(_Store(name, loops, enclosing[name], accesses, ops, name not in outputs))
+        # readers of each attached stage, for region inference: (reader store, access)
+        self.readers: dict[str, list] = {n: [] for n in self.region_syms}
+        for store in self.stores:
+            for acc in store.accesses[1:]:
+                if acc.buffer in self.readers:
+                    self.readers[acc.buffer].append((store, acc))
+        # compile every extent and coefficient expression into one numpy function
+        exprs, self._index = [], {}
+
+        def want(x) -> None:
+            if isinstance(x, (int, float)) or id(x) in self._index:
+                return
+            self._index[id(x)] = len(exprs)
+            exprs.append(x)
+
+        for store in self.stores:
+            for v, _, _ in store.loops:
+                want(self.ext[v])
+            for acc in store.accesses:
+                for d in acc.dims:
+                    for c in d.coef.values():
+                        want(c)
+        self._names = names
+        self._exprs = exprs
+        self._fn = _compile(exprs, names) if exprs else (lambda e: ())
+        self._atom_vars = {id(a): te.free_vars(a) for s in self.stores for acc in s.accesses for d in acc.dims
+                           for a in d.atoms}
+        self._compile_atoms()
+
+    def _compile_atoms(self) -> None:
+        """One numpy function for every (non-linear index part, set of varying loops) the features
+        need: the region inference of attached stages and the per-level touched regions."""
+        loop_vars = {v for st in self.stores for v, _, _ in st.loops}
+        self._loop_names = {v: f"x{k}" for k, v in enumerate(sorted(loop_vars, key=id))}
+        comp = _IntervalCompiler({**self._names, **self._loop_names}, loop_vars)
+        self._atom_index: dict = {}
+        outputs: list[str] = []
+
+        def want(a, ranging: frozenset) -> None:
+            key = (id(a), ranging)
+            if key not in self._atom_index:
+                lo, hi = comp.bound(a, ranging)
+                self._atom_index[key] = len(outputs)
+                outputs.append(f"np.abs(({hi}) - ({lo}))")
+
+        for store in self.stores:
+            for acc in store.accesses:
+                for lin in acc.dims:
+                    for a in lin.atoms:
+                        for p in self._atom_positions(a, store.loops):
+                            want(a, self._ranging(a, store.loops, p))
+        for name, readers in self.readers.items():
+            start = next(st.n_enclosing for st in self.stores if st.stage == name)
+            for store, acc in readers:
+                for lin in acc.dims:
+                    for a in lin.atoms:
+                        want(a, self._ranging(a, store.loops, start))
+        if outputs:
+            src = "def f(e, X):\n" + "".join(f"    {line}\n" for line in comp.lines)
+            src += f"    return ({', '.join(outputs)},)\n"
+            scope = {"np": np, "_min4": _min4, "_max4": _max4, "_mod_lo": _mod_lo, "_mod_hi": _mod_hi}
+            exec(src, scope)  # noqa: S102 - source generated from our own expression trees
+            self._atom_fn = scope["f"]
+        else:
+            self._atom_fn = None
+
+    def _atom_positions(self, a, loops: list) -> list[int]:
+        return sorted(k for k, (v, _, _) in enumerate(loops) if v in self._atom_vars[id(a)])
+
+    def _ranging(self, a, loops: list, start: int) -> frozenset:
+        return frozenset(v for v, _, _ in loops[start:] if v in self._atom_vars[id(a)])
+
+    def _atom_widths(self, env: dict, vals: tuple, m: int) -> tuple:
+        if self._atom_fn is None:
+            return ()
+        ones = np.ones(m, dtype=np.int64)
+        X = {name: np.asarray(self._value(self.ext[v], vals)) * ones for v, name in self._loop_names.items()}
+        return self._atom_fn(env, X)
+
+    # -------------------------------------------------------------------------------- evaluation
+
+    def _value(self, x, vals: tuple):
+        if isinstance(x, (int, float)):
+            return x
+        return vals[self._index[id(x)]]
+
+    def __call__(self, numbers: np.ndarray) -> np.ndarray:
+        """numbers: [m, len(slots)] -> features [m, n_stores, 164]."""
+        m = numbers.shape[0]
+        env = {v.name: numbers[:, j].astype(np.int64) for j, v in enumerate(self._slot_syms)}
+        ones = np.ones(m, dtype=np.int64)
+        for syms in self.region_syms.values():       # provisional, refined below
+            for v in syms:
+                env[v.name] = ones
+        vals = self._fn(env)
+        W = self._atom_widths(env, vals, m)
+        # regions of attached stages, consumers first (they come later in stage order)
+        for name in reversed(self.stage_names):
+            if name not in self.region_syms:
+                continue
+            shape = self._tensor_shapes[name]
+            start = next(st.n_enclosing for st in self.stores if st.stage == name)
+            widths = [np.zeros(m, dtype=np.int64) for _ in shape]
+            for store, acc in self.readers[name]:
+                ext = [np.asarray(self._value(self.ext[v], vals)) * ones for v, _, _ in store.loops]
+                for d, lin in enumerate(acc.dims):
+                    widths[d] = np.maximum(widths[d], self._width(lin, store.loops, ext, start, vals, W, m))
+            for d, sym in enumerate(self.region_syms[name]):
+                env[sym.name] = np.clip(widths[d] + 1, 1, shape[d])
+            vals = self._fn(env)
+            W = self._atom_widths(env, vals, m)
+        self._W = W
+        raw = np.stack([self._store_features(s, vals, env, m) for s in self.stores])   # [stores, 164, m]
+        logged = np.sign(raw) * np.log2(np.abs(raw) + 1)
+        out = np.where(_ONEHOT[None, :, None], raw, logged)
+        return out.transpose(2, 0, 1)
+
+    def _width(self, lin: _Linear, loops: list, ext: list, start: int, vals: tuple, W: tuple, m: int):
+        """Span of one index dimension when the loops from `start` inward vary (outer loops fixed)."""
+        w = np.zeros(m, dtype=np.int64)
+        for k in range(start, len(loops)):
+            v = loops[k][0]
+            if v in lin.coef:
+                w = w + np.abs(np.asarray(self._value(lin.coef[v], vals))) * (ext[k] - 1)
+        for a in lin.atoms:
+            w = w + W[self._atom_index[(id(a), self._ranging(a, loops, start))]]
+        return w
+
+    def _plan(self, s: _Store) -> dict:
+        """What about a store's features is structural, decided once per template."""
+        plan = getattr(s, "_plan", None)
+        if plan is not None:
+            return plan
+        n = len(s.loops)
+        ann = [a for _, a, _ in s.loops]
+        plan = {"kinds": {k: [i for i, a in enumerate(ann) if a == k] for k in ("vectorize", "unroll", "parallel")},
+                "gpu": {a: i for i, a in enumerate(ann) if a in _GPU_AXES},
+                "vthread": [i for i, a in enumerate(ann) if a == "vthread"],
+                "unroll": next((u for _, _, u in reversed(s.loops) if u is not None), None),
+                "accesses": []}
+        pos = {v: k for k, (v, _, _) in enumerate(s.loops)}
+        for acc in s.accesses:
+            dims = [([(pos[v], c) for v, c in lin.coef.items() if v in pos], lin) for lin in acc.dims]
+            stride = None              # (loop index, dim, coefficient or None for a non-linear use)
+            for i in range(n - 1, -1, -1):
+                var = s.loops[i][0]
+                for d in range(len(acc.dims) - 1, -1, -1):
+                    lin = acc.dims[d]
+                    if var in lin.coef:
+                        stride = (i, d, lin.coef[var])
+                    elif any(var in self._atom_vars[id(x)] for x in lin.atoms):
+                        stride = (i, d, None)
+                    if stride:
+                        break
+                if stride:
+                    break
+            reuse = next((i for i in range(n - 1, -1, -1) if not self._uses(acc, s.loops[i][0])), None)
+            plan["accesses"].append((dims, stride, reuse))
+        s._plan = plan
+        return plan
+
+    def _store_features(self, s: _Store, vals: tuple, env: dict, m: int) -> np.ndarray:
+        plan = self._plan(s)
+        n = len(s.loops)
+        out = np.zeros((N_FEATURES, m))
+        E = np.array([np.broadcast_to(np.asarray(self._value(self.ext[v], vals), dtype=np.float64), (m,))
+                      for v, _, _ in s.loops]).reshape(n, m)
+        outer = E.prod(axis=0) if n else np.ones(m)
+        out[0:16] = np.asarray(s.ops.vector(), dtype=np.float64)[:, None] * outer
+        row = 16
+        for kind in ("vectorize", "unroll", "parallel"):
+            idx = plan["kinds"][kind]
+            if idx:
+                out[row] = len(idx)
+                out[row + 1] = E[idx].prod(axis=0)
+                out[row + 2] = E[idx[-1]]
+                out[row + 10] = 1.0                       # kPosMixed
+            else:
+                out[row + 3] = 1.0                        # kPosNone
+            row += 11
+        out[row] = float(self.is_gpu)
+        for j, a in enumerate(_GPU_AXES):
+            out[row + 1 + j] = E[plan["gpu"][a]] if a in plan["gpu"] else 1.0
+        out[row + 7] = E[plan["vthread"]].prod(axis=0) if plan["vthread"] else 1.0
+        # ---- buffer accesses: touched elements at every level (loops i.. vary), i = 0..n
+        touched, region0, shapes = [], [], []
+        for acc, (dims, _, _) in zip(s.accesses, plan["accesses"]):
+            shape = [np.broadcast_to(np.asarray(self._shape_value(acc.buffer, d, env), dtype=np.float64), (m,))
+                     for d in range(len(acc.dims))]
+            shapes.append(shape)
+            t = np.ones((n + 1, m))
+            r0 = []
+            for terms, lin in dims:
+                contrib = np.zeros((n + 1, m))
+                for k, c in terms:
+                    contrib[k] = np.abs(self._value(c, vals)) * (E[k] - 1)
+                span = np.cumsum(contrib[::-1], axis=0)[::-1]
+                if lin.atoms:
+                    span = span + self._atom_suffix(lin, s.loops, m)
+                t *= span + 1
+                r0.append(span[0] + 1)
+            touched.append(t)
+            region0.append(r0)
+        eb = np.array([acc.ele_bytes for acc in s.accesses], dtype=np.float64)
+        mem = np.tensordot(eb, np.array(touched), axes=1) if touched else np.zeros((n + 1, m))   # [n+1, m]
+        buf_feats, keys = [], []
+        for a, (acc, (dims, stride_at, reuse_at)) in enumerate(zip(s.accesses, plan["accesses"])):
+            e = eb[a]
+            bytes_ = outer * e
+            unique = touched[a][0] * e if n else np.full(m, e)
+            if stride_at is None:
+                stride, reduce_ratio, found = np.zeros(m), E.prod(axis=0) if n else np.ones(m), n
+            else:
+                i, d, c = stride_at
+                below = np.prod(shapes[a][d + 1:], axis=0) if d + 1 < len(shapes[a]) else np.ones(m)
+                stride = (np.abs(self._value(c, vals)) if c is not None else 1.0) * below
+                reduce_ratio = E[i + 1:].prod(axis=0) if i + 1 < n else np.ones(m)
+                found = i
+            lines = np.maximum(outer / reduce_ratio * np.minimum(1.0, stride * e / self.cache_line), 1.0)
+            n_cont = np.full(m, e)
+            done = np.zeros(m, dtype=bool)
+            for d in range(len(region0[a]) - 1, -1, -1):
+                hit = (~done) & (region0[a][d] == shapes[a][d])
+                n_cont = np.where(hit, e * region0[a][d], n_cont)
+                done |= hit
+            unique_lines = np.maximum(unique / np.minimum(n_cont, self.cache_line), 1.0) if n else np.ones(m)
+            f = np.zeros((18, m))
+            f[min(acc.acc_type, 2)] = 1.0
+            f[3], f[4], f[5], f[6] = bytes_, unique, lines, unique_lines
+            if reuse_at is None:
+                f[9] = 1.0                                              # kNoReuse
+            else:
+                r = reuse_at
+                f[7] = 1.0                                              # kLoopMultipleRead
+                f[10] = E[r + 1:].prod(axis=0) if r + 1 < n else 1.0
+                f[11] = mem[r + 1] if r + 1 < n else eb.sum()
+                f[12] = E[r]
+            ct = f[12]
+            big = ct > 0.5
+            safe = np.where(big, ct, 1.0)
+            for j, x in enumerate((bytes_, unique, lines, unique_lines)):
+                f[13 + j] = np.where(big, x / safe, x * 2)
+            f[17] = stride if found == n - 1 else 0.0
+            buf_feats.append(f)
+            keys.append((lines, bytes_))
+        out[57:57 + 18 * MAX_N_BUFS] = self._top_buffers(buf_feats, keys, m)
+        base = 57 + 18 * MAX_N_BUFS
+        cur = s.ops.float_ops
+        if cur > 0 and n:
+            ops = cur * np.cumprod(E[::-1], axis=0)                     # innermost first
+            out[base:base + CURVE_N] = self._curve(list(ops), list(mem[n - 1::-1][:n]), cur, m)
+        base += CURVE_N
+        if s.alloc:
+            acc0 = s.accesses[0]
+            elems = np.prod([np.broadcast_to(np.asarray(self._shape_value(s.stage, d, env), dtype=np.float64), (m,))
+                             for d in range(len(acc0.dims))], axis=0)
+            alloc_outer = E[:s.n_enclosing].prod(axis=0) if s.n_enclosing else np.ones(m)
+            out[base], out[base + 1], out[base + 2], out[base + 3] = (elems * acc0.ele_bytes, elems * alloc_outer,
+                                                                     alloc_outer, outer / alloc_outer)
+        u = plan["unroll"]
+        out[base + 4], out[base + 5] = outer, n
+        out[base + 6] = (env[u.name] if isinstance(u, Var) else u) if u is not None else 0.0
+        return out
+
+    def _shape_value(self, buf: str, d: int, env: dict):
+        x = self.shapes[buf][d] if buf in self.shapes else 1
+        return env[x.name] if isinstance(x, Var) else x
+
+    def _uses(self, acc: _Access, var: Var) -> bool:
+        return any(var in lin.coef or any(var in self._atom_vars[id(a)] for a in lin.atoms) for lin in acc.dims)
+
+    def _atom_suffix(self, lin: _Linear, loops: list, m: int) -> np.ndarray:
+        """Span of the non-linear index parts at each level; it only changes where one of an atom's
+        loop variables starts to vary, so each atom is bounded once per such position."""
+        out = np.zeros((len(loops) + 1, m))
+        for a in lin.atoms:
+            prev = -1
+            for p in self._atom_positions(a, loops):
+                out[prev + 1:p + 1] += self._W[self._atom_index[(id(a), self._ranging(a, loops, p))]]
+                prev = p
+        return out
+
+    @staticmethod
+    def _top_buffers(buf_feats: list, keys: list, m: int) -> np.ndarray:
+        """The MAX_N_BUFS accesses with most (lines, bytes), zero-padded: [18*5, m]."""
+        feats = np.stack(buf_feats)                       # [n_buf, 18, m]
+        lines = np.stack([k[0] for k in keys])            # [n_buf, m]
+        bytes_ = np.stack([k[1] for k in keys])
+        order = np.lexsort((-bytes_, -lines), axis=0)[:MAX_N_BUFS]   # [<=5, m]
+        picked = np.take_along_axis(feats, order[:, None, :], axis=0)
+        out = np.zeros((MAX_N_BUFS, 18, m))
+        out[:picked.shape[0]] = picked
+        return out.reshape(MAX_N_BUFS * 18, m)
+
+    @staticmethod
+    def _curve(compute_ops: list, mem_list: list, cur_ops: float, m: int) -> list:
+        if cur_ops <= 0 or not compute_ops:
+            return [np.zeros(m)] * CURVE_N
+        ops = np.stack(compute_ops)                   # [n, m], increasing
+        mem = np.maximum(np.stack(mem_list), 1e-9)
+        ratio = ops / mem
+        out = []
+        for k in range(CURVE_N):
+            x = ops[-1] * (k + 1) / CURVE_N
+            pt = np.argmax(ops >= x[None, :] - 1e-4, axis=0)
+            prev = np.maximum(pt - 1, 0)
+            cols = np.arange(m)
+            base = ratio[prev, cols]
+            denom = ops[pt, cols] - ops[prev, cols]
+            slope = np.where(denom != 0, (ratio[pt, cols] - base) / np.where(denom != 0, denom, 1), 0)
+            val = np.where(pt == 0, ratio[0, cols], base + slope * (x - ops[prev, cols]))
+            out.append(val)
+        return out
+
+
+
+def _onehot_mask() -> np.ndarray:
+    """Columns that are one-hot flags (kept as 0/1); every other feature is log2(1 + |x|) * sign(x)."""
+    mask = np.zeros(N_FEATURES, dtype=bool)
+    pos = 16
+    for _ in range(3):
+        pos += 3
+        mask[pos:pos + 8] = True
+        pos += 8
+    mask[pos] = True                       # is_gpu
+    base = 57
+    for b in range(MAX_N_BUFS):
+        for j in (0, 1, 2, 7, 8, 9):
+            mask[base + b * 18 + j] = True
+    return mask
+
+
+_ONEHOT = _onehot_mask()
+
+
+class FeatureExtractor:
+    """Features of many states: grouped by structure, one cached template per structure."""
+
+    def __init__(self, task: SearchTask, max_templates: int = 20000):
+        self.task = task
+        self.templates: dict[str, FeatureTemplate] = {}
+        self.max_templates = max_templates
+
+    def template(self, state) -> FeatureTemplate:
+        """`state`: a State, or anything with `.steps` and a lazily replayed `.state` (a Candidate)."""
+        key = getattr(state, "structure", None) or structure_key(state)
+        tpl = self.templates.get(key)
+        if tpl is None:
+            if len(self.templates) >= self.max_templates:
+                self.templates.clear()
+            tpl = self.templates[key] = FeatureTemplate(getattr(state, "state", state), self.task)
+        return tpl
+
+    def __call__(self, states: list[State]) -> list[np.ndarray]:
+        """One [n_stores, 164] matrix per state."""
+        groups: dict[str, list[int]] = {}
+        for i, s in enumerate(states):
+            key = getattr(s, "structure", None)
+            if key is None:
+                key = structure_key(s)
+                if hasattr(s, "structure"):
+                    s.structure = key
+            groups.setdefault(key, []).append(i)
+        out: list[np.ndarray | None] = [None] * len(states)
+        for idx in groups.values():
+            tpl = self.template(states[idx[0]])
+            nums = np.array([state_numbers(states[i], tpl.slots) for i in idx], dtype=np.int64).reshape(
+                len(idx), len(tpl.slots))
+            feats = tpl(nums)
+            for j, i in enumerate(idx):
+                out[i] = feats[j]
+        return out  # type: ignore[return-value]
+
+
+def feature_names() -> list[str]:
+    names = ["float_mad", "float_addsub", "float_mul", "float_divmod", "float_cmp", "float_mathfunc",
+             "float_otherfunc", "int_mad", "int_addsub", "int_mul", "int_divmod", "int_cmp", "int_mathfunc",
+             "int_otherfunc", "bool_op", "select_op"]
+    pos = ["kPosNone", "kPosInnerSpatial", "kPosMiddleSpatial", "kPosOuterSpatial", "kPosInnerReduce",
+           "kPosMiddleReduce", "kPosOuterReduce", "kPosMixed"]
+    for kind in ("vec", "unroll", "parallel"):
+        names += [f"{kind}_num", f"{kind}_prod", f"{kind}_len"] + [f"{kind}_type.{p}" for p in pos]
+    names += ["is_gpu", "blockIdx_x_len", "blockIdx_y_len", "blockIdx_z_len", "threadIdx_x_len", "threadIdx_y_len",
+              "threadIdx_z_len", "vthread_len"]
+    for b in range(MAX_N_BUFS):
+        names += [f"B{b}.{x}" for x in ("acc_type.kRead", "acc_type.kWrite", "acc_type.kReadWrite", "bytes",
+                                        "unique_bytes", "lines", "unique_lines", "reuse_type.kLoopMultipleRead",
+                                        "reuse_type.kSerialMultipleReadWrite", "reuse_type.kNoReuse",
+                                        "reuse_dis_iter", "reuse_dis_bytes", "reuse_ct", "bytes_d_reuse_ct",
+                                        "unique_bytes_d_reuse_ct", "lines_d_reuse_ct", "unique_lines_d_reuse_ct",
+                                        "stride")]
+    names += [f"arith_intensity_curve_{i}" for i in range(CURVE_N)]
+    names += ["alloc_size", "alloc_prod", "alloc_outer_prod", "alloc_inner_prod", "outer_prod", "num_loops",
+              "auto_unroll_max_step"]
+    assert len(names) == N_FEATURES
+    return names

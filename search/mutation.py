@@ -1,0 +1,184 @@
+"""Evolution operators: TVM's four mutation rules and the Ansor paper's node-based crossover.
+
+Each operator takes candidates and returns a new candidate or None (could not apply). Tile-size and
+unroll mutations only move numbers around and keep every product equal, so they need no replay;
+compute-location, parallel and crossover change structure and are validated by replaying.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import replace as dc_replace
+
+from search import utils
+from search.annotation import AUTO_UNROLL_CPU, AUTO_UNROLL_GPU
+from search.candidate import Candidate
+from search.state import (AnnotationStep, CacheReadStep, CacheWriteStep, ComputeAtStep, ComputeInlineStep,
+                          ComputeRootStep, FuseStep, IllegalStep, PragmaStep, RfactorStep, SplitStep, State)
+
+
+def mutate_tile_size(c: Candidate, rng: random.Random, max_innermost: int) -> Candidate | None:
+    """Move one factor between two levels of a split, keeping the product (TVM's MutateTileSize)."""
+    ids = [i for i, st in enumerate(c.steps) if isinstance(st, SplitStep) and st.extent
+           and None not in st.lengths and st.inner_to_outer and st.lengths[-1] <= max_innermost
+           and st.extent > 1]
+    if not ids:
+        return None
+    i = rng.choice(ids)
+    st = c.steps[i]
+    prod = 1
+    for x in st.lengths:
+        prod *= x
+    if st.extent % prod:
+        return None                      # an imperfect split: keep it as it is
+    lengths = [st.extent // prod] + list(st.lengths)
+    perm = list(range(len(lengths)))
+    rng.shuffle(perm)
+    for k, src in enumerate(perm):
+        if lengths[src] <= 1:
+            continue
+        dst = perm[(k + 1) % len(perm)]
+        fs = utils.factors(lengths[src])
+        if dst == len(lengths) - 1:
+            fs = [f for f in fs[1:] if f * lengths[dst] <= max_innermost]
+            if not fs:
+                continue
+            f = rng.choice(fs)
+        else:
+            f = rng.choice(fs[1:])
+        new = list(lengths)
+        new[src] //= f
+        new[dst] *= f
+        steps = list(c.steps)
+        steps[i] = dc_replace(st, lengths=tuple(new[1:]))
+        return c.with_steps(tuple(steps), same_structure=not (i + 1 < len(steps) and isinstance(steps[i + 1], RfactorStep)))
+    return None
+
+
+def mutate_auto_unroll(c: Candidate, rng: random.Random, gpu: bool = False) -> Candidate | None:
+    ids = [i for i, st in enumerate(c.steps) if isinstance(st, PragmaStep)
+           and st.pragma.startswith("auto_unroll_max_step")]
+    if not ids:
+        return None
+    i = rng.choice(ids)
+    steps = list(c.steps)
+    steps[i] = dc_replace(steps[i], pragma=f"auto_unroll_max_step${rng.choice(AUTO_UNROLL_GPU if gpu else AUTO_UNROLL_CPU)}")
+    return c.with_steps(tuple(steps), same_structure=True)
+
+
+def _replay(c: Candidate, steps: list) -> Candidate | None:
+    try:
+        state = State.replay(c.dag, steps)
+    except IllegalStep:
+        return None
+    if utils.has_nested_parallel(state):
+        return None
+    return c.with_steps(state.steps, state)
+
+
+def mutate_compute_location(c: Candidate, rng: random.Random) -> Candidate | None:
+    state = c.state
+    ids = []
+    for i, st in enumerate(c.steps):
+        if isinstance(st, ComputeAtStep):
+            sid = st.stage_id
+            if utils.is_tiled(state.stages[sid]) or utils.needs_multi_level_tiling(state, sid):
+                continue
+            ids.append(i)
+    if not ids:
+        return None
+    i = rng.choice(ids)
+    st = c.steps[i]
+    # candidates are judged on the state just before this step
+    before = State.replay(c.dag, c.steps[:i])
+    cands = utils.compute_location_candidates(before, st.stage_id)
+    if not cands:
+        return None
+    target, it = rng.choice(cands)
+    steps = list(c.steps)
+    steps[i] = ComputeAtStep(st.stage_id, target, it)
+    return _replay(c, steps)
+
+
+def mutate_parallel(c: Candidate, rng: random.Random) -> Candidate | None:
+    """Change how many outer loops are fused into the parallel loop (TVM's MutateParallel)."""
+    ids = [i for i, st in enumerate(c.steps) if isinstance(st, AnnotationStep) and st.annotation == "parallel"
+           and st.iter_id == 0 and i > 0 and isinstance(c.steps[i - 1], FuseStep)
+           and c.steps[i - 1].fused_ids[0] == 0]
+    if not ids:
+        return None
+    i = rng.choice(ids)
+    fuse = c.steps[i - 1]
+    sid = fuse.stage_id
+    before = State.replay(c.dag, c.steps[:i - 1])
+    stage = before.stages[sid]
+    limit = 0
+    while limit < len(stage.iters):
+        it = stage.iters[limit]
+        if it.kind == "reduce" or it.annotation != "none" or utils.has_attached(before, sid, limit):
+            break
+        limit += 1
+    if limit == 0:
+        return None
+    n = rng.randrange(limit) + 1
+    offset = fuse.fused_ids[-1] - (n - 1)
+    if offset == 0:
+        return None
+    steps = list(c.steps[:i - 1]) + [FuseStep(sid, tuple(range(n))), c.steps[i]]
+    for st in c.steps[i + 1:]:
+        if getattr(st, "stage_id", None) == sid:
+            if isinstance(st, (AnnotationStep, PragmaStep)):
+                st = dc_replace(st, iter_id=0 if st.iter_id == 0 else st.iter_id + offset)
+            else:
+                return None
+        if isinstance(st, (CacheReadStep, CacheWriteStep, RfactorStep)):
+            return None
+        steps.append(st)
+    return _replay(c, steps)
+
+
+# ------------------------------------------------------------------------------------ crossover
+
+def _phase(st) -> int:
+    """Which annotation rule made a step: compute location, parallel, unroll, vectorize."""
+    if isinstance(st, (ComputeAtStep, ComputeInlineStep, ComputeRootStep)):
+        return 0
+    if isinstance(st, PragmaStep):
+        return 2
+    if isinstance(st, AnnotationStep):
+        return 1 if st.annotation == "parallel" else 3
+    return -1
+
+
+def _annotation_phases(steps: tuple, n_sketch: int) -> list[tuple[int, object]]:
+    """(phase, step) of the annotation steps; a fuse takes the phase of the annotation it prepares."""
+    out = []
+    tail = steps[n_sketch:]
+    for k, st in enumerate(tail):
+        if isinstance(st, FuseStep):
+            nxt = tail[k + 1] if k + 1 < len(tail) else None
+            out.append((_phase(nxt) if nxt is not None else 3, st))
+        else:
+            out.append((_phase(st), st))
+    return out
+
+
+def crossover(a: Candidate, b: Candidate, n_sketch: int, rng: random.Random) -> Candidate | None:
+    """Node-based crossover (Ansor §5.1): each stage takes its tile sizes and annotations from one
+    parent; the merged step list is replayed and kept only if valid. Parents must share a sketch."""
+    if a.sketch != b.sketch or a.sketch < 0:
+        return None
+    stages = {getattr(st, "stage_id", None) for st in a.steps + b.steps} - {None}
+    pick = {s: rng.random() < 0.5 for s in stages}          # True: from b
+    if all(pick.values()) or not any(pick.values()):
+        return None
+    steps = []
+    for sa, sb in zip(a.steps[:n_sketch], b.steps[:n_sketch]):
+        steps.append(sb if isinstance(sa, SplitStep) and pick.get(sa.stage_id) else sa)
+    phases = []
+    for parent, from_b in ((a, False), (b, True)):
+        for order, (ph, st) in enumerate(_annotation_phases(parent.steps, n_sketch)):
+            if pick.get(getattr(st, "stage_id", None), False) == from_b:
+                phases.append((ph, from_b, order, st))
+    phases.sort(key=lambda x: (x[0], x[1], x[2]))
+    steps += [st for _, _, _, st in phases]
+    return _replay(a, steps)

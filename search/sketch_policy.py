@@ -1,0 +1,234 @@
+"""SketchPolicy: one task's search (Ansor §5, TVM's sketch_policy.cc).
+
+Each round: sample an initial population from the sketches (plus the best measured programs), evolve
+it under the cost model (mutation, crossover, selection by predicted fitness), and pick the programs
+to measure — the best predicted, plus a few random ones (eps-greedy) — never one measured before.
+The policy never builds or runs code: the caller measures and reports back through `update`.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from search.annotation import InvalidSample, sample_state
+from search.candidate import Candidate, StepsKey
+from search.cost_model import CostModel, RandomModel
+from search.mutation import (crossover, mutate_auto_unroll, mutate_compute_location, mutate_parallel,
+                             mutate_tile_size)
+from search.sketch_rules import Sketch, SketchContext, SketchRule, generate_sketches
+from search.state import IllegalStep, State
+from tasks.search_task import SearchTask
+
+log = logging.getLogger("tensortune.search")
+
+
+@dataclass
+class SearchParams:
+    """TVM's defaults, plus the crossover rate (TVM never shipped crossover)."""
+    population: int = 2048
+    num_iters: int = 4
+    mutation_prob: float = 0.85
+    crossover_prob: float = 0.05
+    eps_greedy: float = 0.05
+    num_measures_per_round: int = 64
+    sample_init_population: int = 2048
+    sample_init_use_measured_ratio: float = 0.2
+    max_innermost_split_factor: int = 64
+    max_vectorize_size: int = 16
+    disable_change_compute_location: bool = False
+    cpu_multi_level_tiling_structure: str = "SSRSRS"
+    gpu_multi_level_tiling_structure: str = "SSSRRSRS"
+    mutation_weights: dict = field(default_factory=lambda: {
+        "tile_size": 0.90, "auto_unroll": 0.04, "compute_location": 0.05, "parallel": 0.01})
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class RoundTiming:
+    sample_s: float = 0.0
+    evolve_s: float = 0.0
+    predict_s: float = 0.0
+    n_init: int = 0
+    n_evaluated: int = 0
+
+
+class SketchPolicy:
+    def __init__(self, task: SearchTask, cost_model: CostModel | None = None, params: SearchParams | None = None,
+                 seed: int = 0, rules: list[SketchRule] | None = None, seeds: list[State] | None = None):
+        self.task = task
+        self.model = cost_model or RandomModel(seed)
+        self.params = params or SearchParams()
+        self.rng = random.Random(seed)
+        self.ctx = SketchContext(task, self.params.as_dict())
+        self.sketches: list[Sketch] = generate_sketches(self.ctx, rules)
+        if not self.sketches:
+            raise ValueError(f"no sketch could be generated for {task}")
+        self.measured: dict[StepsKey, float] = {}        # program key -> throughput (GFLOP/s), 0 if failed
+        self.measured_cands: dict[StepsKey, Candidate] = {}
+        self.best: tuple[float, Candidate] | None = None
+        self.timing = RoundTiming()
+        # programs to measure first (e.g. a runtime's default schedule), so tuning never ends worse
+        self.seeds = [Candidate.of(s) for s in seeds or []]
+        self._scores: dict[StepsKey, float] = {}
+        self._score_version: tuple | None = None
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.task.target_kind == "cuda"
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(self, n: int) -> list[Candidate]:
+        """n random complete programs, unique and not measured before (fewer if the space is small)."""
+        out: dict[StepsKey, Candidate] = {}
+        tries = 0
+        sample = self._sample_fn()
+        while len(out) < n and tries < 4 * n + 20:
+            tries += 1
+            k = self.rng.randrange(len(self.sketches))
+            try:
+                st = sample(self.sketches[k])
+            except (InvalidSample, IllegalStep):
+                continue
+            c = Candidate.of(st, k)
+            if c.key not in self.measured and c.key not in out:
+                out[c.key] = c
+        return list(out.values())
+
+    def _sample_fn(self):
+        p = self.params.as_dict()
+        if self.is_gpu:
+            from search.gpu_annotation import sample_gpu_state
+            return lambda sk: sample_gpu_state(sk, self.rng, self.task, p)
+        return lambda sk: sample_state(sk, self.rng, self.task.hardware.num_cores, p)
+
+    # ------------------------------------------------------------------ evolution
+
+    def predict(self, cands: list[Candidate]) -> np.ndarray:
+        """Predicted scores; a program scored earlier under the same model is not featurised again."""
+        t0 = time.perf_counter()
+        version = (id(self.model), getattr(self.model, "version", 0), self.model.is_random)
+        if self._score_version != version:
+            self._scores, self._score_version = {}, version
+        todo = list({c.key: c for c in cands if c.key not in self._scores}.values())
+        if todo:
+            for c, s in zip(todo, self.model.predict(self.task, todo)):
+                self._scores[c.key] = float(s)
+        self.timing.predict_s += time.perf_counter() - t0
+        self.timing.n_evaluated += len(todo)
+        return np.array([self._scores[c.key] for c in cands], dtype=np.float64)
+
+    def _mutate(self, c: Candidate) -> Candidate | None:
+        w = self.params.mutation_weights
+        rule = self.rng.choices(list(w), weights=list(w.values()))[0]
+        if rule == "tile_size":
+            return mutate_tile_size(c, self.rng, self.params.max_innermost_split_factor)
+        if rule == "auto_unroll":
+            return mutate_auto_unroll(c, self.rng, self.is_gpu)
+        if rule == "compute_location" and not self.params.disable_change_compute_location:
+            return mutate_compute_location(c, self.rng)
+        if rule == "parallel":
+            return mutate_parallel(c, self.rng)
+        return None
+
+    def evolve(self, population: list[Candidate], out_size: int) -> list[Candidate]:
+        """Evolutionary search; returns up to out_size best-predicted unmeasured programs."""
+        p = self.params
+        iters = p.num_iters if not self.model.is_random else min(p.num_iters, 2)
+        best: dict[StepsKey, tuple[float, Candidate]] = {}
+        pop = population
+        for k in range(iters + 1):
+            if not pop:
+                break
+            scores = self.predict(pop)
+            for c, s in zip(pop, scores):
+                if c.key in self.measured or c.key in best:
+                    continue
+                best[c.key] = (float(s), c)
+            if len(best) > out_size:
+                best = dict(sorted(best.items(), key=lambda kv: -kv[1][0])[:out_size])
+            if k == iters:
+                break
+            t0 = time.perf_counter()
+            weights = np.maximum(scores - scores.min(), 0) + 1e-9 if len(scores) else scores
+            probs = weights / weights.sum()
+            parents = np.random.default_rng(self.rng.randrange(1 << 30)).choice(len(pop), size=p.population,
+                                                                                 p=probs)
+            nxt = []
+            for idx in parents:
+                parent = pop[idx]
+                r = self.rng.random()
+                child = None
+                if r < p.crossover_prob:
+                    other = pop[self.rng.choice(parents)]
+                    child = crossover(parent, other, len(self.sketches[parent.sketch].state.steps), self.rng) \
+                        if parent.sketch >= 0 else None
+                elif r < p.crossover_prob + p.mutation_prob:
+                    child = self._mutate(parent)
+                else:
+                    child = parent
+                if child is not None:
+                    nxt.append(child)
+            pop = nxt
+            self.timing.evolve_s += time.perf_counter() - t0
+        return [c for _, c in sorted(best.values(), key=lambda x: -x[0])][:out_size]
+
+    # ------------------------------------------------------------------ one round
+
+    def next_batch(self, n: int | None = None) -> list[Candidate]:
+        """The programs to measure next: evolved best plus eps-greedy random ones, none measured before."""
+        n = n or self.params.num_measures_per_round
+        self.timing = RoundTiming()
+        t0 = time.perf_counter()
+        init = self.sample(self.params.sample_init_population)
+        n_measured = min(len(self.measured_cands), int(self.params.sample_init_use_measured_ratio *
+                                                       self.params.population))
+        good = sorted(self.measured_cands.values(), key=lambda c: -self.measured[c.key])[:n_measured]
+        self.timing.sample_s = time.perf_counter() - t0
+        self.timing.n_init = len(init)
+        n_random = int(self.params.eps_greedy * n)
+        best = self.evolve(init + good, 2 * n)
+        randoms = [c for c in init if c.key not in self.measured]
+        self.rng.shuffle(randoms)
+        picked: dict[StepsKey, Candidate] = {}
+        for c in self.seeds:
+            if c.key not in self.measured and len(picked) < n:
+                picked.setdefault(c.key, c)
+        self.seeds = []
+        for c in best:
+            if len(picked) >= n - n_random:
+                break
+            picked.setdefault(c.key, c)
+        for c in randoms + best:
+            if len(picked) >= n:
+                break
+            picked.setdefault(c.key, c)
+        return list(picked.values())
+
+    def update(self, cands: list[Candidate], costs: list[float]) -> None:
+        """Record measurements (seconds per run; inf for failures) and retrain the cost model."""
+        states = []
+        for c, cost in zip(cands, costs):
+            gflops = self.task.flops / cost / 1e9 if cost and math.isfinite(cost) and cost > 0 else 0.0
+            self.measured[c.key] = gflops
+            self.measured_cands[c.key] = c
+            states.append(c)
+            if gflops > 0 and (self.best is None or gflops > self.best[0]):
+                self.best = (gflops, c)
+        self.model.update(self.task, states, list(costs))
+
+    def preload(self, cands: list[Candidate], costs: list[float]) -> None:
+        """Resume: measurements from the history count as measured (and seed the population)."""
+        for c, cost in zip(cands, costs):
+            gflops = self.task.flops / cost / 1e9 if cost and math.isfinite(cost) and cost > 0 else 0.0
+            self.measured[c.key] = gflops
+            self.measured_cands[c.key] = c
+            if gflops > 0 and (self.best is None or gflops > self.best[0]):
+                self.best = (gflops, c)

@@ -1,0 +1,317 @@
+"""Sketch generation by derivation rules (Ansor Table 1).
+
+Starting from the naive state at the last stage, each rule may apply to the current stage; a rule
+returns (new state, next stage id) pairs, so one state can fork into several sketches. Rules are
+objects with `meet_condition` and `apply`; the rule list is per target kind and users can register
+their own (`register_sketch_rule`), which run before the built-in ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+from search import utils
+from search.state import RfactorStep, SplitStep, State
+from tasks.search_task import SearchTask
+
+
+class Condition(Enum):
+    PASS = 0                  # does not apply; try the next rule
+    APPLY = 1                 # apply, and also try the following rules
+    APPLY_AND_SKIP_REST = 2   # apply, and stop here
+
+
+@dataclass
+class SketchContext:
+    """What rules may look at besides the state: the task and the policy parameters."""
+    task: SearchTask
+    params: dict = field(default_factory=dict)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.task.target_kind == "cuda"
+
+    def structure(self) -> str:
+        key = "gpu_multi_level_tiling_structure" if self.is_gpu else "cpu_multi_level_tiling_structure"
+        return self.params.get(key, "SSSRRSRS" if self.is_gpu else "SSRSRS")
+
+
+class SketchRule:
+    name = "rule"
+
+    def meet_condition(self, ctx: SketchContext, state: State, sid: int) -> Condition:
+        raise NotImplementedError
+
+    def apply(self, ctx: SketchContext, state: State, sid: int) -> list[tuple[State, int]]:
+        raise NotImplementedError
+
+
+def should_always_inline(ctx: SketchContext, state: State, sid: int) -> bool:
+    stage = state.stages[sid]
+    if stage.is_placeholder or utils.is_output(state, sid) or utils.has_reduce_iter(stage):
+        return False
+    if ctx.is_gpu:
+        return True
+    return utils.is_strictly_inlineable(state, sid)
+
+
+class SkipStage(SketchRule):
+    name = "skip"
+
+    def meet_condition(self, ctx, state, sid):
+        return Condition.APPLY
+
+    def apply(self, ctx, state, sid):
+        return [(state, sid - 1)]
+
+
+class AlwaysInline(SketchRule):
+    name = "always_inline"
+
+    def meet_condition(self, ctx, state, sid):
+        return Condition.APPLY_AND_SKIP_REST if should_always_inline(ctx, state, sid) else Condition.PASS
+
+    def apply(self, ctx, state, sid):
+        return [(state.compute_inline(sid), sid - 1)]
+
+
+class MultiLevelTiling(SketchRule):
+    name = "multi_level_tiling"
+
+    def meet_condition(self, ctx, state, sid):
+        return Condition.APPLY_AND_SKIP_REST if utils.needs_multi_level_tiling(state, sid) else Condition.PASS
+
+    def apply(self, ctx, state, sid):
+        s, _ = utils.do_multi_level_tiling(state, sid, ctx.structure())
+        return [(s, sid - 1)]
+
+
+class MultiLevelTilingWithFusion(SketchRule):
+    """Tile a stage and compute it inside its single elementwise consumer at level 1 or 2 (GPU: 3)."""
+    name = "multi_level_tiling_with_fusion"
+
+    def meet_condition(self, ctx, state, sid):
+        if utils.needs_multi_level_tiling(state, sid) and \
+                utils.single_elementwise_matched_consumer(state, sid) is not None:
+            if utils.has_cache_write_stage(state, sid) or ctx.is_gpu:
+                return Condition.APPLY_AND_SKIP_REST
+            return Condition.APPLY
+        return Condition.PASS
+
+    def apply(self, ctx, state, sid):
+        target = utils.single_elementwise_matched_consumer(state, sid)
+        structure = ctx.structure()
+        base, split_ids = utils.do_multi_level_tiling(state, sid, structure)
+        out = []
+        for level in ([3] if ctx.is_gpu else [1, 2]):
+            if structure[level - 1].upper() != "S":
+                continue
+            s = utils.follow_tiling(base, target, split_ids, level)
+            s = s.compute_at(sid, target, level * len(split_ids) - 1)
+            out.append((s, sid - 1))
+        return out
+
+
+class AddCacheWrite(SketchRule):
+    """Accumulate in a local buffer when there is no elementwise consumer to fuse into."""
+    name = "add_cache_write"
+
+    def meet_condition(self, ctx, state, sid):
+        if utils.needs_multi_level_tiling(state, sid) and \
+                utils.single_elementwise_matched_consumer(state, sid) is None:
+            return Condition.APPLY_AND_SKIP_REST if ctx.is_gpu else Condition.APPLY
+        return Condition.PASS
+
+    def apply(self, ctx, state, sid):
+        return [(state.cache_write(sid, "local"), sid)]
+
+
+class AddRfactor(SketchRule):
+    """Factor a reduction that has too little spatial parallelism (two sketches: factor ko or ki)."""
+    name = "add_rfactor"
+
+    def meet_condition(self, ctx, state, sid):
+        if utils.needs_rfactor(ctx.task, state, sid) and not utils.has_cache_write_stage(state, sid):
+            return Condition.APPLY
+        return Condition.PASS
+
+    def apply(self, ctx, state, sid):
+        base, red_id, n_space = utils.fuse_all_reduction_iters(state, sid)
+        base = base.split(sid, red_id, [1])
+        out = []
+        for which in (red_id, red_id + 1):
+            s = base.rfactor(sid, which, n_space)
+            if which == red_id + 1:
+                # the factored axis innermost, for vectorization
+                n = len(s.stages[sid].iters)
+                s = s.reorder(sid, [i for i in range(n) if i != n_space] + [n_space])
+            out.append((s, sid - 1))
+        return out
+
+
+class AddCacheRead(SketchRule):
+    """GPU: stage a producer of a tiled consumer in shared memory at the outermost reduce tile."""
+    name = "add_cache_read"
+
+    def meet_condition(self, ctx, state, sid):
+        consumers = utils.consumer_ids(state, sid)
+        if not consumers:
+            return Condition.PASS
+        target = consumers[0]
+        if not utils.needs_multi_level_tiling(state, target):
+            return Condition.PASS
+        if has_cross_thread_reduction(state, target):
+            return Condition.PASS
+        if state.stages[sid].name not in {p.name for p in state.analysis.producers(state.stages[target].op)}:
+            return Condition.PASS
+        return Condition.APPLY_AND_SKIP_REST
+
+    def apply(self, ctx, state, sid):
+        s = state
+        for orig_target in utils.consumer_ids(state, sid):
+            target_name = state.stages[orig_target].name
+            s = s.cache_read(sid, "shared", [target_name])
+            added = sid + 1
+            target = s.stage_id(target_name)
+            pos = utils.last_reduce_iter_in_outermost_reduce_tile(s.stages[target])
+            s = s.compute_at(added, target, pos)
+        return [(s, sid)]
+
+
+def has_cross_thread_reduction(state: State, sid: int) -> bool:
+    def check(stage) -> bool:
+        return any(it.annotation == "threadIdx.x" and it.kind == "reduce" for it in stage.iters)
+    if check(state.stages[sid]):
+        return True
+    return any(check(state.stages[a]) for i in range(len(state.stages[sid].iters))
+               for a in utils.attached_stages(state, sid, i))
+
+
+class CrossThreadReduction(SketchRule):
+    """GPU: bind a long reduction to threadIdx.x (a warp-level reduction)."""
+    name = "cross_thread_reduction"
+
+    def meet_condition(self, ctx, state, sid):
+        if utils.has_cache_write_stage(state, sid) or state.stages[sid].is_placeholder:
+            return Condition.PASS
+        space, reduce = utils.space_reduce_lengths(state.stages[sid])
+        hw = ctx.task.hardware
+        if utils.needs_multi_level_tiling(state, sid):
+            if space > hw.max_threads_per_block:
+                return Condition.PASS
+            return Condition.APPLY if space < reduce else Condition.PASS
+        if reduce > 1:
+            return Condition.APPLY if reduce > hw.warp_size else Condition.PASS
+        return Condition.PASS
+
+    def apply(self, ctx, state, sid):
+        warp = ctx.task.hardware.warp_size
+        s, red_id, _ = utils.fuse_all_reduction_iters(state, sid)
+        target = utils.single_consumer_id(s, sid)
+        fusible, n_common = False, -1
+        if target is not None:
+            n_common = s.analysis.num_common_outer_iterators(s.stages[sid].op, s.stages[target].op)
+            fusible = n_common > 0 and not utils.needs_multi_level_tiling(state, target)
+            # the consumer gets split by the warp size below: it must be at least that long
+            fusible = fusible and (any(isinstance(st, SplitStep) and st.stage_id == target for st in s.steps)
+                                   or (s.stages[target].iters[-1].extent or 0) >= warp)
+        if fusible:
+            split_ids = [i for i, st in enumerate(s.steps) if isinstance(st, SplitStep) and st.stage_id == target]
+            if not split_ids:
+                last = len(s.stages[target].iters) - 1
+                s = s.split(target, last, [warp]).bind(target, last + 1, "threadIdx.x")
+                split_ids = [len(s.steps) - 2]
+            red_id = next(i for i, it in enumerate(s.stages[sid].iters) if it.kind == "reduce")
+            s = s.follow_split(sid, red_id, split_ids[0], 1)
+            s = s.bind(sid, red_id + 1, "threadIdx.x")
+            s = s.compute_at(sid, target, n_common - 1)
+        else:
+            s = s.split(sid, red_id, [warp]).bind(sid, red_id + 1, "threadIdx.x")
+        return [(s, sid - 1)]
+
+
+class SpecialComputeLocationGPU(SketchRule):
+    """GPU: compute an always-inlined stage before its consumer's unrolled const-tensor loops."""
+    name = "special_compute_location_gpu"
+
+    def meet_condition(self, ctx, state, sid):
+        if not state.producers(sid) or not should_always_inline(ctx, state, sid):
+            return Condition.PASS
+        consumers = utils.consumer_ids(state, sid)
+        if len(consumers) == 1 and state.stages[consumers[0]].op.attrs.get("simplify_const_tensor_indices"):
+            return Condition.APPLY_AND_SKIP_REST
+        return Condition.PASS
+
+    def apply(self, ctx, state, sid):
+        target = utils.consumer_ids(state, sid)[0]
+        for i, it in enumerate(state.stages[target].iters):
+            if it.annotation == "unroll":
+                return [(state.compute_at(sid, target, i - 1), sid - 1)]
+        return [(state, sid - 1)]
+
+
+class CustomRule(SketchRule):
+    """A user rule from two callables: meet_condition(ctx, state, sid) -> Condition and
+    apply(ctx, state, sid) -> [(state, next_sid)]."""
+
+    def __init__(self, name: str, meet: Callable, fn: Callable):
+        self.name, self.meet, self.fn = name, meet, fn
+
+    def meet_condition(self, ctx, state, sid):
+        return self.meet(ctx, state, sid)
+
+    def apply(self, ctx, state, sid):
+        return self.fn(ctx, state, sid)
+
+
+_CUSTOM_RULES: dict[str, list[SketchRule]] = {"llvm": [], "cuda": []}
+
+
+def register_sketch_rule(rule: SketchRule, target_kind: str = "llvm") -> None:
+    """Add a user rule; it runs before the built-in rules for that target kind."""
+    _CUSTOM_RULES.setdefault(target_kind, []).append(rule)
+
+
+def default_rules(target_kind: str) -> list[SketchRule]:
+    custom = list(_CUSTOM_RULES.get(target_kind, []))
+    if target_kind == "cuda":
+        return custom + [AddCacheRead(), SpecialComputeLocationGPU(), AlwaysInline(), CrossThreadReduction(),
+                         AddCacheWrite(), MultiLevelTilingWithFusion(), MultiLevelTiling(), SkipStage()]
+    return custom + [AlwaysInline(), AddRfactor(), AddCacheWrite(), MultiLevelTilingWithFusion(),
+                     MultiLevelTiling(), SkipStage()]
+
+
+@dataclass
+class Sketch:
+    """A state whose tile sizes are still open. `tunable` lists the split steps to sample."""
+    state: State
+    tunable: tuple[int, ...]
+
+
+def generate_sketches(ctx: SketchContext, rules: list[SketchRule] | None = None) -> list[Sketch]:
+    rules = rules if rules is not None else default_rules(ctx.task.target_kind)
+    init = State(ctx.task.dag)
+    frontier = [(init, len(init.stages) - 1)]
+    done: list[State] = []
+    while frontier:
+        nxt = []
+        for state, sid in frontier:
+            if sid < 0:
+                done.append(state)
+                continue
+            for rule in rules:
+                cond = rule.meet_condition(ctx, state, sid)
+                if cond == Condition.PASS:
+                    continue
+                nxt.extend(rule.apply(ctx, state, sid))
+                if cond == Condition.APPLY_AND_SKIP_REST:
+                    break
+        frontier = nxt
+    out = []
+    for s in done:
+        tunable = [i for i, st in enumerate(s.steps) if isinstance(st, SplitStep) and None in st.lengths]
+        # the split before an rfactor carries a placeholder length of 1: sample it too (as TVM does)
+        tunable += [i - 1 for i, st in enumerate(s.steps) if isinstance(st, RfactorStep)]
+        out.append(Sketch(s, tuple(sorted(tunable))))
+    return out

@@ -1,0 +1,94 @@
+"""Sketch generation: the structures the Ansor paper describes, and user rules."""
+from __future__ import annotations
+
+from codegen.target import make_task
+from search.sketch_rules import Condition, CustomRule, SketchContext, generate_sketches, register_sketch_rule
+from search.state import CacheWriteStep, ComputeAtStep, ComputeInlineStep, RfactorStep, SplitStep
+from tasks.workload_registry import make_dag
+
+
+def _sketches(name, *args):
+    task = make_task(make_dag(name, *args))
+    return task, generate_sketches(SketchContext(task))
+
+
+def _codes(sketch) -> list[str]:
+    return [s.code for s in sketch.state.steps]
+
+
+def test_matmul_has_plain_and_cache_write_fused_sketches():
+    _, sk = _sketches("matmul", 512, 512, 512)
+    assert len(sk) == 3
+    plain = [s for s in sk if "CHW" not in _codes(s)]
+    cached = [s for s in sk if "CHW" in _codes(s)]
+    assert len(plain) == 1 and len(cached) == 2
+    # SSRSRS: i and j split into 4 levels, k into 2, ordered S S R S R S
+    c = plain[0].state.stage_by_name("C")
+    assert [it.name for it in c.iters] == ["i.0", "j.0", "i.1", "j.1", "k.0", "i.2", "j.2", "k.1", "i.3", "j.3"]
+    # the cache-write sketches compute C.local at the consumer's 1st or 2nd tile level
+    levels = sorted(next(st for st in s.state.steps if isinstance(st, ComputeAtStep)).target_iter_id for s in cached)
+    assert levels == [1, 3]
+    for s in sk:
+        assert all(None in st.lengths for i, st in enumerate(s.state.steps) if i in s.tunable)
+
+
+def test_matmul_bias_relu_fuses_the_elementwise_tail():
+    task, sk = _sketches("matmul_bias_relu", 256, 256, 256)
+    assert len(sk) == 3
+    for s in sk:
+        st = s.state
+        assert st.stage_by_name("T_add").compute_at == "inline"        # bias add is always inlined
+        assert "CHW" not in _codes(s)                                  # the relu stage plays the cache
+    fused = [s for s in sk if any(isinstance(x, ComputeAtStep) for x in s.state.steps)]
+    assert len(fused) == 2
+    assert all(s.state.stage_by_name("C").attach[0] == "T_relu" for s in fused)
+
+
+def test_conv2d_relu_tiles_the_conv_and_leaves_padding_to_annotation():
+    _, sk = _sketches("conv2d_relu", 1, 56, 56, 64, 64, 3, 3, 1, 1)
+    assert len(sk) == 3
+    for s in sk:
+        conv = s.state.stage_by_name("conv2d_nchw")
+        assert len(conv.iters) == 4 * 4 + 3 * 2                        # 4 spatial axes x 4, 3 reduce x 2
+        assert s.state.stage_by_name("pad_temp").compute_at == "root"   # has a branch: not always-inlined
+
+
+def test_norm_gets_rfactor_sketches():
+    _, sk = _sketches("norm", 1, 256, 256)
+    rf = [s for s in sk if any(isinstance(x, RfactorStep) for x in s.state.steps)]
+    assert len(rf) == 2                                                 # factor the outer or the inner part
+    for s in rf:
+        names = [st.name for st in s.state.stages]
+        assert "T_sum_sq.rf" in names
+        i = next(k for k, x in enumerate(s.state.steps) if isinstance(x, RfactorStep))
+        assert i - 1 in s.tunable and isinstance(s.state.steps[i - 1], SplitStep)
+
+
+def test_softmax_sketches_rfactor_its_reductions_and_stay_few():
+    _, sk = _sketches("softmax", 4, 1024)
+    assert 1 < len(sk) < 10
+    assert any(any(isinstance(x, RfactorStep) for x in s.state.steps) for s in sk)
+
+
+def test_user_rule_runs_before_builtin_rules():
+    calls = []
+
+    def meet(ctx, state, sid):
+        calls.append(state.stages[sid].name)
+        return Condition.PASS
+
+    rule = CustomRule("spy", meet, lambda ctx, s, sid: [(s, sid - 1)])
+    register_sketch_rule(rule, "llvm")
+    try:
+        _sketches("matmul", 64, 64, 64)
+    finally:
+        from search import sketch_rules
+        sketch_rules._CUSTOM_RULES["llvm"].remove(rule)
+    assert "C" in calls
+
+
+def test_inlined_stages_and_cache_write_steps_are_recorded():
+    _, sk = _sketches("matmul_bias_relu", 64, 64, 64)
+    assert all(any(isinstance(x, ComputeInlineStep) for x in s.state.steps) for s in sk)
+    _, sk = _sketches("matmul", 64, 64, 64)
+    assert any(any(isinstance(x, CacheWriteStep) for x in s.state.steps) for s in sk)

@@ -1,0 +1,100 @@
+"""Loop State: transform steps, replay, the compact JSON round trip, printing and illegal steps."""
+from __future__ import annotations
+
+import pytest
+
+from codegen.lower import lower
+from search.state import IllegalStep, State
+from tasks.workload_registry import make_dag
+from tests.conftest import check_state, small_dag
+from tests.schedules import tiled_schedule
+
+
+@pytest.fixture
+def mm():
+    return make_dag("matmul", 64, 64, 64)
+
+
+def test_split_extents_and_names(mm):
+    s = State(mm).split("C", 0, [4, 8])
+    it = s.stage_by_name("C").iters
+    assert [(x.name, x.extent) for x in it[:3]] == [("i.0", 2), ("i.1", 4), ("i.2", 8)]
+
+
+def test_imperfect_split_rounds_up_and_guards(mm):
+    s = State(mm).split("C", 1, [10])
+    assert [x.extent for x in s.stage_by_name("C").iters] == [64, 7, 10, 64]
+    assert "if (" in lower(s).text()
+    check_state(s)
+
+
+def test_json_round_trip_of_every_step_kind():
+    for key in ("conv2d", "norm", "softmax", "matmul_bias_relu"):
+        s = tiled_schedule(small_dag(key), tile=3)
+        text = s.steps_json()
+        back = State.from_json(s.dag, text)
+        assert back.steps_json() == text
+        assert str(back) == str(s)
+        assert lower(back).text() == lower(s).text()
+    codes = {step[0] for key in ("conv2d", "norm") for step in
+             __import__("json").loads(tiled_schedule(small_dag(key)).steps_json())}
+    assert {"SP", "FSP", "RE", "FU", "AN", "PR", "CA", "CHW", "CI", "RF"} <= codes | {"CI"}
+
+
+def test_cache_read_storage_align_and_compute_root(mm):
+    s = State(mm).cache_read("A", "shared", ["C"])
+    assert [st.name for st in s.stages] == ["A", "A.shared", "B", "C"]
+    s = s.storage_align("A.shared", 0, 16, 4).compute_at("A.shared", "C", 1).compute_root("A.shared")
+    assert s.stage_by_name("A.shared").compute_at == "root"
+    assert "A.shared[float32 * 4348]" in lower(s).text()      # 63 rows padded to stride 68, + 64
+    check_state(s)
+
+
+def test_follow_fused_split_and_nparts(mm):
+    s = State(mm).split("C", 0, [8]).split("C", 2, [4])
+    s = s.follow_fused_split("C", 4, [0, 1], 0, True)
+    assert s.stage_by_name("C").iters[-1].extent == 32
+    check_state(s)
+
+
+def test_state_prints_like_tvm(mm):
+    s = State(mm).split("C", 0, [8]).parallel("C", 0).vectorize("C", 2)
+    text = str(s)
+    assert text.splitlines()[0] == "Placeholder: A, B"
+    assert "parallel i.0 (0,8)" in text and "vectorize j (0,64)" in text and "C = ..." in text
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda s: s.split("C", 0, [100]), r"split lengths \[100\] \(product 100\) do not fit iterator i"),
+    (lambda s: s.split("C", 0, [0]), r"positive integers"),
+    (lambda s: s.split("C", 7, [2]), r"iterators 0..2, got 7"),
+    (lambda s: s.reorder("C", [0, 1]), r"exactly once.*missing \[2\]"),
+    (lambda s: s.fuse("C", [0, 2]), r"consecutive"),
+    (lambda s: s.fuse("C", [1, 2]), r"cannot fuse spatial and reduce"),
+    (lambda s: s.compute_at("C", "A", 0), r"placeholder"),
+    (lambda s: s.annotate("C", 0, "warp"), r"unknown annotation"),
+    (lambda s: s.compute_inline("C"), r"reduction and cannot be inlined"),
+    (lambda s: s.pragma("C", 0, "auto_unroll_max_step$x"), r"must be an integer"),
+])
+def test_illegal_steps_fail_clearly(mm, make, match):
+    with pytest.raises(IllegalStep, match=match):
+        make(State(mm))
+
+
+def test_compute_at_a_stage_that_does_not_consume_it():
+    dag = make_dag("conv2d_relu", 1, 8, 8, 4, 8, 3, 3, 1, 1, True)
+    s = State(dag)
+    with pytest.raises(IllegalStep, match="T_relu does not consume pad_temp"):
+        s.compute_at("pad_temp", "T_relu", 0)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("not json", "malformed step JSON"),
+    ('{"a": 1}', "expected a list of steps"),
+    ('[["XX", 1]]', "unknown step code 'XX'"),
+    ('[["SP", 2, 0]]', "malformed step"),
+    ('[["SP", 9, 0, 64, [4], 1]]', "stage 9 does not exist"),
+])
+def test_malformed_step_json(mm, text, match):
+    with pytest.raises(IllegalStep, match=match):
+        State.from_json(mm, text)
