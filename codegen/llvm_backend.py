@@ -1,0 +1,116 @@
+"""The LLVM backend: State -> lowered program -> LLVM IR -> O3 -> object code, and object code -> callable.
+
+Builders and runners may live in different processes: only the object-code bytes travel. Loading
+uses MCJIT on the bytes; libgomp is loaded once per process for `parallel` loops.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+from functools import lru_cache
+
+import llvmlite.binding as llvm
+import numpy as np
+
+from codegen.artifact import Artifact
+from codegen.ir import LoweredFunc
+from codegen.llvm_codegen import generate_llvm_ir
+from codegen.lower import lower
+from codegen.target import Target, parse_target
+from search.state import State
+
+_lock = threading.Lock()
+
+
+@lru_cache(maxsize=None)
+def _init() -> bool:
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    gomp = ctypes.util.find_library("gomp")
+    if gomp is None:
+        raise RuntimeError("libgomp is not installed (parallel loops run on its thread pool); "
+                           "install it, e.g. `apt-get install libgomp1`")
+    llvm.load_library_permanently(gomp)
+    return True
+
+
+def _new_target_machine(cpu: str, features: str):
+    _init()
+    return llvm.Target.from_default_triple().create_target_machine(
+        cpu=cpu, features=features, opt=3, reloc="pic", codemodel="jitdefault")
+
+
+@lru_cache(maxsize=8)
+def _target_machine(cpu: str, features: str):
+    """Shared by compilations. Never hand it to an execution engine: the engine takes ownership."""
+    return _new_target_machine(cpu, features)
+
+
+def compile_ir(ir: str, target: Target) -> bytes:
+    """Verify, optimise at O3 and emit object code for the target CPU."""
+    tm = _target_machine(target.cpu, target.features)
+    with _lock:
+        mod = llvm.parse_assembly(ir)
+        mod.verify()
+        pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
+        pb.getModulePassManager().run(mod, pb)
+        return tm.emit_object(mod)
+
+
+def assembly(ir: str, target: Target) -> str:
+    """The optimised machine code as text (tests check it for zmm registers)."""
+    tm = _target_machine(target.cpu, target.features)
+    with _lock:
+        mod = llvm.parse_assembly(ir)
+        pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
+        pb.getModulePassManager().run(mod, pb)
+        return tm.emit_assembly(mod)
+
+
+def build_lowered(func: LoweredFunc, target: Target | str = "llvm", keep_source: bool = False) -> Artifact:
+    target = parse_target(target)
+    ir = generate_llvm_ir(func, target.cpu, target.features)
+    obj = compile_ir(ir, target)
+    return Artifact("llvm", func.name, obj, tuple((b.name, b.shape, b.dtype) for b in func.args),
+                    source=ir if keep_source else "")
+
+
+def build(state: State, target: Target | str = "llvm", keep_source: bool = False) -> Artifact:
+    return build_lowered(lower(state, target_kind="cpu"), target, keep_source)
+
+
+class LLVMKernel:
+    """A loaded kernel: call it with numpy arrays (inputs then outputs), or time `n` calls in one go."""
+
+    def __init__(self, artifact: Artifact):
+        _init()
+        target = parse_target("llvm")
+        self.artifact = artifact
+        self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""),
+                                                  _new_target_machine(target.cpu, target.features))
+        self._engine.add_object_file(llvm.ObjectFileRef.from_data(artifact.binary))
+        self._engine.finalize_object()
+        name = artifact.func_name
+        self._packed = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._engine.get_function_address(name + "_packed"))
+        self._repeat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(
+            self._engine.get_function_address(name + "_repeat"))
+
+    def pack(self, arrays) -> ctypes.Array:
+        specs = self.artifact.args
+        if len(arrays) != len(specs):
+            raise ValueError(f"kernel takes {len(specs)} arrays ({', '.join(s[0] for s in specs)}), got {len(arrays)}")
+        ptrs = (ctypes.c_void_p * len(arrays))()
+        for i, (arr, (name, shape, dtype)) in enumerate(zip(arrays, specs)):
+            if tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype("bool" if dtype == "bool" else dtype):
+                raise ValueError(f"argument {name} must be {dtype}{list(shape)}, got {arr.dtype}{list(arr.shape)}")
+            if not arr.flags.c_contiguous:
+                raise ValueError(f"argument {name} must be C-contiguous")
+            ptrs[i] = arr.ctypes.data
+        return ptrs
+
+    def __call__(self, *arrays) -> None:
+        self._packed(self.pack(arrays))
+
+    def run_packed(self, packed: ctypes.Array, n: int = 1) -> None:
+        self._repeat(packed, n)

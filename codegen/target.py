@@ -1,0 +1,83 @@
+"""Targets: what a kernel is compiled for, parsed from a TVM-like string ("llvm", "cuda -arch=sm_90")."""
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, field
+
+from tasks.compute_dag import ComputeDAG
+from tasks.search_task import HardwareParams, SearchTask
+
+
+class TargetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Target:
+    kind: str                                   # "llvm" | "cuda"
+    cpu: str = ""
+    features: str = ""
+    arch: str = ""                              # cuda: sm_90
+    options: tuple = field(default=())
+    hardware: HardwareParams = field(default=None, compare=False)
+
+    def __str__(self) -> str:
+        if self.kind == "cuda":
+            return f"cuda -arch={self.arch}"
+        return f"llvm -mcpu={self.cpu}"
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "cuda"
+
+
+def _host_cpu() -> tuple[str, str]:
+    import llvmlite.binding as llvm
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    return llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def parse_target(text: str | Target = "llvm") -> Target:
+    """'llvm' (this host), 'llvm -mcpu=znver4 -mattr=+avx2', 'cuda', 'cuda -arch=sm_90'."""
+    if isinstance(text, Target):
+        return text
+    try:
+        parts = shlex.split(text or "llvm")
+    except ValueError as err:
+        raise TargetError(f"cannot parse target {text!r}: {err}") from None
+    kind, opts = parts[0], dict(p.lstrip("-").split("=", 1) if "=" in p else (p.lstrip("-"), "") for p in parts[1:])
+    if kind in ("llvm", "cpu", "c"):
+        host_cpu, host_features = _host_cpu()
+        cpu = opts.get("mcpu", host_cpu)
+        features = opts.get("mattr", host_features if cpu == host_cpu else "")
+        vec = 64 if "+avx512f" in features else 32 if "+avx2" in features or "+avx" in features else 16
+        cores = int(opts.get("num-cores", _cpu_count()))
+        return Target("llvm", cpu, features, options=tuple(sorted(opts.items())),
+                      hardware=HardwareParams(num_cores=cores, vector_unit_bytes=vec))
+    if kind == "cuda":
+        arch = opts.get("arch", "sm_90")
+        if not arch.startswith("sm_") or not arch[3:].isdigit():
+            raise TargetError(f"cuda target needs -arch=sm_XY (e.g. sm_90), got {arch!r}")
+        hw = HardwareParams(
+            num_cores=int(opts.get("num-sms", 132)), vector_unit_bytes=16, cache_line_bytes=128,
+            max_shared_memory_per_block=int(opts.get("max-shared-memory", 48 * 1024)),
+            max_local_memory_per_block=2 ** 31 - 1,
+            max_threads_per_block=int(opts.get("max-threads", 1024)), max_vthread_extent=8,
+            warp_size=int(opts.get("warp-size", 32)))
+        return Target("cuda", arch=arch, options=tuple(sorted(opts.items())), hardware=hw)
+    raise TargetError(f"unknown target {kind!r} in {text!r}; use 'llvm' (the host CPU) or 'cuda -arch=sm_XY'")
+
+
+def make_task(dag: ComputeDAG, target: str | Target = "llvm", name: str = "", weight: int = 1) -> SearchTask:
+    """A SearchTask whose hardware limits come from the parsed target (the host CPU for 'llvm')."""
+    t = parse_target(target)
+    return SearchTask(dag, str(t), t.hardware, name or dag.name, weight)

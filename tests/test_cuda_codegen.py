@@ -1,0 +1,157 @@
+"""CUDA C generation, everywhere nvcc exists: sampled GPU programs of every library op compile for
+sm_90, the generated code has the GPU structure (shared memory, barriers, vthreads, all-reduce), and
+programs over the target's limits are rejected before nvcc runs."""
+from __future__ import annotations
+
+import functools
+import random
+import re
+
+import pytest
+
+from codegen.cuda_backend import build, check_limits, compile_cubin, find_nvcc, generate
+from codegen.lower import LoweringError
+from codegen.target import make_task
+from search.annotation import InvalidSample
+from search.gpu_annotation import check_gpu_limits, sample_gpu_state
+from search.sketch_rules import SketchContext, generate_sketches
+from search.state import IllegalStep, State
+from tasks.search_task import SearchTask
+from tasks.workload_registry import make_dag
+from tests.conftest import SMALL_WORKLOADS, small_dag
+
+TARGET = "cuda -arch=sm_90"
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
+
+
+def gpu_task(key: str) -> SearchTask:
+    return make_task(small_dag(key), TARGET)
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_programs(key: str, n: int = 2, seed: int = 0) -> tuple[State, ...]:
+    """n sampled GPU programs of a small workload, cycling over its sketches."""
+    task = gpu_task(key)
+    sketches = generate_sketches(SketchContext(task))
+    rng = random.Random(seed)
+    out: list[State] = []
+    for i in range(4000):
+        try:
+            out.append(sample_gpu_state(sketches[(len(out) + i) % len(sketches)], rng, task, {}))
+        except (InvalidSample, IllegalStep):
+            continue
+        if len(out) == n:
+            break
+    assert out, f"no GPU program could be sampled for {key}"
+    return tuple(out)
+
+
+def _kernel_name(key: str, i: int) -> str:
+    return re.sub(r"\W", "_", f"{key}_{i}")
+
+
+@functools.lru_cache(maxsize=1)
+def _all_sources() -> dict[str, str]:
+    return {key: "\n".join(generate(s, _kernel_name(key, i)).source for i, s in enumerate(gpu_programs(key)))
+            for key in sorted(SMALL_WORKLOADS)}
+
+
+@functools.lru_cache(maxsize=1)
+def _compile_all() -> str | None:
+    """One nvcc call for every op's programs (nvcc costs about a second per call); None when it passes."""
+    try:
+        compile_cubin("\n".join(_all_sources().values()))
+        return None
+    except Exception as err:  # noqa: BLE001 - reported per op below
+        return str(err)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("key", sorted(SMALL_WORKLOADS))
+def test_sampled_programs_compile_for_sm90(key):
+    src = _all_sources()[key]
+    assert "__global__" in src
+    if _compile_all() is not None:
+        compile_cubin(src)          # the batch failed: compile this op alone to show its own error
+
+
+def test_every_program_generates_and_respects_the_limits():
+    for key in sorted(SMALL_WORKLOADS):
+        task = gpu_task(key)
+        for s in gpu_programs(key):
+            assert check_gpu_limits(s, task.hardware) is None
+            check_limits(generate(s), task.hardware)
+
+
+def _matmul_program(n=64, tile=(2, 8, 2, 1), k_tile=(4, 2), unroll=64) -> State:
+    """A hand-filled matmul sketch (per axis: vthread, threads, two inner levels; reduce: two inner
+    levels): by default 2x2 vthreads, 8x8 threads, a 2x1 register tile, shared tiles of A and B."""
+    task = make_task(make_dag("matmul", n, n, n), TARGET)
+    sketch = generate_sketches(SketchContext(task))[0]
+    steps = list(sketch.state.steps)
+    from dataclasses import replace
+    for i in sketch.tunable:
+        st = steps[i]
+        steps[i] = replace(st, lengths=tile if len(st.lengths) == 4 else k_tile)
+    from search.gpu_annotation import init_thread_bind
+    state = init_thread_bind(State.replay(task.dag, steps), task.hardware)
+    return state.pragma("C.local", 0, f"auto_unroll_max_step${unroll}")
+
+
+def test_matmul_kernel_has_shared_tiles_barriers_and_vthread_copies():
+    mod = generate(_matmul_program())
+    (k,) = mod.kernels
+    src = mod.source
+    assert k.grid == (4, 1, 1) and k.block == (64, 1, 1) and k.vthreads == 4
+    assert src.count("__syncthreads();") == 2
+    assert re.search(r"__shared__ float A_shared\[\d+\];", src) and "__shared__ float B_shared" in src
+    # 4 virtual threads x a 2x1 register tile per axis: one local array of 16 accumulators
+    assert "float C_local[16];" in src
+    # the shared tiles cover the whole block (32 rows or columns x the 8-long reduce tile), not one
+    # thread's or one virtual thread's share
+    assert k.shared_bytes == 4 * (32 * 8 + 8 * 32)
+
+
+def test_limits_are_checked_before_nvcc():
+    state = _matmul_program(n=256, tile=(1, 32, 1, 1))         # 32 x 32 = 1024 threads: fits
+    check_limits(generate(state), make_task(state.dag, TARGET).hardware)
+    small = make_task(state.dag, "cuda -arch=sm_90 -max-threads=512").hardware
+    with pytest.raises(LoweringError, match="threads per block"):
+        check_limits(generate(state), small)
+    assert "threads per block" in check_gpu_limits(state, small)
+    tiny_smem = make_task(state.dag, "cuda -arch=sm_90 -max-shared-memory=1024").hardware
+    with pytest.raises(LoweringError, match="shared memory"):
+        check_limits(generate(state), tiny_smem)
+    with pytest.raises(LoweringError, match="threads per block"):
+        build(state, "cuda -arch=sm_90 -max-threads=512")      # rejected without compiling
+
+
+def test_cross_thread_reduction_becomes_a_block_allreduce():
+    task = make_task(make_dag("norm", 2, 64, 48), TARGET)
+    sketches = generate_sketches(SketchContext(task))
+    cross = [s for s in sketches if any(it.annotation == "threadIdx.x" and it.kind == "reduce"
+                                        for st in s.state.stages for it in st.iters)]
+    assert cross, "the norm task should get a cross-thread-reduction sketch"
+    state = sample_gpu_state(cross[0], random.Random(0), task, {})
+    src = generate(state).source
+    assert "__shfl_down_sync" in src
+
+
+@needs_nvcc
+def test_build_returns_a_cubin_with_its_launch_plan():
+    art = build(_matmul_program(), TARGET, keep_source=True)
+    kernels, temps = art.launch
+    assert art.kind == "cuda" and art.binary[:4] == b"\x7fELF"
+    assert kernels[0][1] == (4, 1, 1) and kernels[0][2] == (64, 1, 1) and kernels[0][5] == ("C",)
+    assert temps == () and "__global__" in art.source
+    assert [a[0] for a in art.args] == ["A", "B", "C"]
+
+
+def test_multi_stage_programs_split_into_kernels_with_global_temporaries():
+    task = make_task(make_dag("softmax", 4, 100), TARGET)
+    naive = [s for s in generate_sketches(SketchContext(task)) if len(s.state.steps) == 1][0]
+    state = sample_gpu_state(naive, random.Random(0), task, {"disable_change_compute_location": 1})
+    mod = generate(state)
+    assert len(mod.kernels) == 3
+    assert {t[0] for t in mod.temps} == {"T_softmax_maxelem", "T_softmax_expsum"}
+    assert mod.kernels[0].writes == ("T_softmax_maxelem",)

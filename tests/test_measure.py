@@ -1,0 +1,111 @@
+"""Builders and runners: errors come back as results, and the pool keeps measuring correctly after."""
+from __future__ import annotations
+
+import pytest
+
+from codegen.artifact import Artifact
+from codegen.llvm_backend import compile_ir
+from codegen.measure import (BuildResult, ErrorCode, LocalBuilder, LocalRunner, ProgramMeasurer, TimingConfig,
+                             time_runs)
+from codegen.target import make_task, parse_target
+from search.state import State
+from tasks.workload_registry import make_dag
+
+
+def _artifact(body: str, dag) -> Artifact:
+    """A hand-written kernel `k(A, B, C)` with the packed/repeat wrappers the runner calls."""
+    ir = f"""
+define void @k(ptr %a, ptr %b, ptr %c) {{
+{body}
+}}
+define void @k_packed(ptr %args) {{
+  call void @k(ptr null, ptr null, ptr null)
+  ret void
+}}
+define void @k_repeat(ptr %args, i64 %n) {{
+  call void @k(ptr null, ptr null, ptr null)
+  ret void
+}}
+"""
+    obj = compile_ir(ir, parse_target("llvm"))
+    return Artifact("llvm", "k", obj, tuple((t.name, t.shape, t.dtype) for t in dag.args))
+
+
+SEGFAULT = "  store volatile float 1.0, ptr null\n  ret void"
+HANG = "  %x = alloca float\n  br label %spin\nspin:\n  store volatile float 1.0, ptr %x\n  br label %spin"
+NOTHING = "  ret void"
+
+
+@pytest.fixture(scope="module")
+def task():
+    return make_task(make_dag("matmul", 32, 32, 32))
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = LocalRunner(timeout=3.0, config=TimingConfig(min_repeat_ms=5))
+    yield r
+    r.close()
+
+
+def test_crash_and_hang_cost_one_result_each(task, runner):
+    good = State(task.dag).split("C", 1, [16]).vectorize("C", 2)
+    builder = LocalBuilder(n_parallel=1)
+    try:
+        (good_build,) = builder.build(task, [good.steps_json()])
+    finally:
+        builder.close()
+    assert good_build.error_code == 0, good_build.error_msg
+    builds = [BuildResult(_artifact(SEGFAULT, task.dag), 0, "", 0.0), good_build,
+              BuildResult(_artifact(HANG, task.dag), 0, "", 0.0), good_build]
+    pids_before = runner.pool.pids()
+    results = runner.run(task, builds)
+    assert results[0].error_code == ErrorCode.RUNTIME_DEVICE and "SIGSEGV" in results[0].error_msg
+    assert results[2].error_code == ErrorCode.RUN_TIMEOUT
+    for r in (results[1], results[3]):
+        assert r.error_code == ErrorCode.NO_ERROR and 0 < r.mean < 1.0
+    assert runner.pool.pids() != pids_before          # the dead worker was replaced
+    assert runner.pool.restarts == 2
+
+
+def test_wrong_answer_is_detected(task, runner):
+    (res,) = runner.run(task, [BuildResult(_artifact(NOTHING, task.dag), 0, "", 0.0)])
+    assert res.error_code == ErrorCode.WRONG_ANSWER and "elements differ" in res.error_msg
+
+
+def test_bad_steps_are_instantiation_errors(task):
+    with ProgramMeasurer(LocalBuilder(n_parallel=1), LocalRunner(config=TimingConfig(min_repeat_ms=5))) as m:
+        ok, bad = m.measure(task, [State(task.dag).steps_json(), '[["SP",2,0,32,[64],1]]'])
+    assert ok.error_code == ErrorCode.NO_ERROR
+    assert bad.error_code == ErrorCode.INSTANTIATION_ERROR and "do not fit" in bad.error_msg
+
+
+def test_timing_protocol_raises_number_to_fill_min_repeat():
+    calls = []
+
+    def run(n: int) -> None:
+        calls.append(n)
+    costs = time_runs(run, TimingConfig(number=2, repeat=3, min_repeat_ms=1.0))
+    assert len(costs) == 3
+    assert calls[:2] == [1, 1]                         # warm-up, then one run to estimate
+    assert len(calls) == 5 and all(c == calls[2] for c in calls[2:]) and calls[2] >= 2
+
+
+def test_far_slower_kernels_are_timed_once():
+    calls = []
+
+    def run(n: int) -> None:
+        calls.append(n)
+    costs = time_runs(run, TimingConfig(number=3, repeat=3, min_repeat_ms=10.0), warm=True, cutoff_s=-1.0)
+    assert calls == [1] and len(costs) == 1
+
+
+def test_slow_kernels_run_once_per_repeat():
+    calls = []
+
+    def run(n: int) -> None:
+        calls.append(n)
+        import time
+        time.sleep(0.02 * n)
+    costs = time_runs(run, TimingConfig(number=3, repeat=2, min_repeat_ms=10.0), warm=True)
+    assert calls == [1, 1, 1] and len(costs) == 2 and all(c >= 0.02 for c in costs)

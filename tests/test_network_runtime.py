@@ -1,0 +1,146 @@
+"""Whole-network build: the default schedule is correct for every op, buffers are planned once and
+reused safely, best records are applied (and bad ones fall back), and the CLI commands work."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from codegen.network_runtime import build_network, default_schedule
+from codegen.target import parse_target
+from flows import network_cli
+from flows.cli import app
+from storage.records import RecordStore
+from storage.schema import MeasureRecord
+from tasks.extract import extract_tasks
+from tasks.models import make_network
+from tests.conftest import check_state
+from tests.schedules import tiled_schedule
+
+runner = CliRunner()
+assert network_cli.app is app
+
+
+def test_default_schedule_is_correct(small_workload):
+    """Every op of the library, odd sizes included, compiled with the default schedule."""
+    check_state(default_schedule(small_workload))
+
+
+def test_default_schedule_tiles_reductions_and_parallelises():
+    net = extract_tasks(make_network("resnet-18", image_size=32, base_width=8))
+    state = default_schedule(net.tasks[2].dag)                  # conv2d_bias_relu
+    conv, relu = state.stage_by_name("conv2d_nchw"), state.stage_by_name("T_relu")
+    assert state.stage_by_name("T_add").compute_at == "inline"          # the bias is inlined
+    assert conv.compute_at == "iter" and conv.attach[0] == "T_relu"     # the conv is computed per output tile
+    assert relu.iters[0].annotation == "parallel" and relu.iters[-1].annotation == "vectorize"
+    assert [it.annotation for it in conv.iters[-2:]] == ["unroll", "vectorize"]
+    assert [it.kind for it in conv.iters].index("reduce") < len(conv.iters) - 2   # reduction outside the tile
+
+
+def _small_net():
+    return extract_tasks(make_network("resnet-18", image_size=32, base_width=8, batch_size=2))
+
+
+def test_buffers_are_planned_once_and_reused_safely():
+    net = _small_net()
+    compiled = build_network(net)
+    graph = net.graph
+    intermediate = sum(graph.values[g.output].size * 4 for g in net.groups if g.output not in graph.outputs)
+    assert 0 < compiled.buffer_bytes < intermediate / 2      # liveness lets buffers share memory
+    for kernel, packed, args in compiled._calls:
+        out = args[-1]
+        for a in args[:-1]:
+            assert not np.shares_memory(a, out), "a kernel's output must not alias its inputs"
+    inputs = net.source.random_inputs(4)
+    first = compiled.run(inputs)
+    again = compiled.run(inputs)
+    for k in first:
+        np.testing.assert_array_equal(first[k], again[k])
+    view = compiled.run(inputs, copy=False)["fc"]
+    compiled.run(net.source.random_inputs(5))
+    assert not np.array_equal(view, first["fc"])               # copy=False hands out the planned buffer
+    with pytest.raises(ValueError, match=r"input 'data' must have shape \[2, 3, 32, 32\]"):
+        compiled.run({"data": np.zeros((1, 3, 32, 32), np.float32)})
+    lat = compiled.benchmark(repeat=3)
+    assert len(lat.runs) == 3 and lat.mean_ms > 0
+    per_task = compiled.profile(repeat=1)
+    assert set(per_task) == set(range(len(net.tasks)))
+
+
+def test_records_are_applied_and_bad_ones_fall_back():
+    net = _small_net()
+    tuned = net.tasks[2]
+    other = net.tasks[3]
+    records = {tuned.workload_key: tiled_schedule(tuned.dag).steps_json(),
+               other.workload_key: json.dumps([["SP", 99, 0, 4, [2], 1]]),     # no stage 99: replay fails
+               "not-a-task": "[]"}
+    compiled = build_network(net, records)
+    sources = [k.source for k in compiled.kernels]
+    assert sources[2] == "record"
+    assert sources[3].startswith("default (record failed: step 0")
+    assert sources.count("default") == len(net.tasks) - 2
+    assert compiled.check().passed
+    assert "record" in compiled.summary()
+
+
+def _write_records(root, net, target="llvm"):
+    t = str(parse_target(target))
+    store = RecordStore(str(root))
+    task = net.tasks[2]
+    store.append([
+        MeasureRecord(workload_key=task.workload_key, target=t, steps=tiled_schedule(task.dag).steps_json(),
+                      task_name=task.name, network="resnet-18", latencies=[1e-3], flops=task.flops),
+        MeasureRecord(workload_key=task.workload_key, target=t, steps="[]", task_name=task.name,
+                      network="resnet-18", latencies=[5e-3], flops=task.flops),
+    ])
+    store.append([MeasureRecord(workload_key=task.workload_key, target="llvm -mcpu=other", steps="[]",
+                                task_name=task.name, latencies=[1e-6])])      # faster, but for another CPU
+    return task
+
+
+def test_best_records_from_the_store(tmp_path):
+    net = _small_net()
+    task = _write_records(tmp_path, net)
+    best = network_cli.best_records(str(tmp_path))
+    assert best == {task.workload_key: tiled_schedule(task.dag).steps_json()}   # fastest on this CPU
+
+
+def test_cli_extract(tmp_path):
+    out = runner.invoke(app, ["extract", "resnet-18", "--image-size", "64", "--batch", "2"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "resnet-18: 18 tasks from 23 subgraphs" in out.output
+    assert "conv2d_bias_add_relu" in out.output and "2x512x2x2" in out.output
+    bad = runner.invoke(app, ["extract", "resnet-18", "--seq-len", "8"])
+    assert bad.exit_code == 1 and "does not take seq_len" in bad.output
+    missing = runner.invoke(app, ["extract", str(tmp_path / "model.onnx")])
+    assert missing.exit_code == 1 and "no such file" in missing.output
+
+
+def test_cli_run_network_with_records(tmp_path):
+    net = extract_tasks(make_network("resnet-18", image_size=32))
+    _write_records(tmp_path, net)
+    args = ["run-network", "resnet-18", "--image-size", "32", "--repeat", "2", "--records", str(tmp_path)]
+    out = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "check against the NumPy reference: OK" in out.output
+    assert "latency:" in out.output and "1/18 tasks from records" in out.output
+
+
+def test_cli_run_network_onnx(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    node = helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1])
+    relu = helper.make_node("Relu", ["c"], ["y"])
+    graph = helper.make_graph([node, relu], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, 8, 8])], [w])
+    path = tmp_path / "conv.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    out = runner.invoke(app, ["run-network", str(path), "--input-shape", "x=2,3,8,8", "--repeat", "1"],
+                        env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "conv2d_relu" in out.output and "OK" in out.output
+    bad = runner.invoke(app, ["run-network", str(path)])
+    assert bad.exit_code == 1 and "symbolic dimension 'n'" in bad.output
