@@ -1,0 +1,236 @@
+"""Merging small part files into large sorted ones without losing or duplicating a row.
+
+Protocol for each group of inputs (one target/date partition): write a journal claiming the inputs, back
+off if another compactor claimed any of them, write the merged file atomically (the commit point), delete
+the inputs, mark the journal finished (it stays a while as a tombstone for readers). Readers skip inputs
+whose journal's output exists (see storage.journal), so a crash at any step leaves every row visible
+exactly once; the next compaction finishes or abandons what a dead compactor left, and drops expired
+tombstones.
+
+The merged file's row group 0 holds the best successful row of each (workload_key, network) in it, the
+other rows follow sorted by workload_key then time. The best-record query then reads one small row group
+per merged file, and one-task queries skip every row group whose workload_key range misses the task.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from storage.filesystem import Location, delete_quietly, exists, list_files, write_atomic
+from storage.journal import Journal, delete_journal, finish_journal, read_journals, write_journal
+from storage.layout import DataFile, classify, new_data_name, target_segment
+from storage.queries import best_positions
+from storage.scan import Scanner
+from storage.schema import FILE_SCHEMA, SCHEMA_VERSION
+
+LAYOUT_KEY = b"tensortune.layout"
+LAYOUT_LEADERS = b"leaders-in-row-group-0"
+
+
+@dataclass(frozen=True)
+class CompactionSettings:
+    """What counts as small, how big a merged file may grow, and when a leftover counts as abandoned."""
+
+    small_file_bytes: int = 32 << 20
+    max_input_bytes: int = 128 << 20  # inputs merged into one output (bounds memory: ~10x this)
+    row_group_rows: int = 32_768
+    stale_seconds: float = 3600.0
+    durable: bool = True
+
+
+@dataclass(frozen=True)
+class CompactionStats:
+    """What a compaction did."""
+
+    input_files: int
+    output_files: int
+    rows: int
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+    skipped_claimed: int  # groups left alone because another compactor holds them
+    recovered: int  # journals of dead compactions finished or dropped
+    temporaries_removed: int
+
+
+def compact(location: Location, scanner: Scanner, targets: Sequence[str] | None = None,
+            settings: CompactionSettings = CompactionSettings()) -> CompactionStats:
+    """Merge the small record files of every target/date partition (or only `targets`)."""
+    started = time.perf_counter()
+    recovered, claimed = _recover(location, settings)
+    removed = _remove_stale_temporaries(location, settings)
+    groups: dict[tuple[str, str], list[DataFile]] = defaultdict(list)
+    for file in scanner.snapshot(targets):
+        if file.size < settings.small_file_bytes and file.relative not in claimed:
+            groups[(file.target, file.date)].append(file)
+    return _merge_groups(location, scanner, list(groups.values()), settings, started, recovered,
+                         removed)
+
+
+def compact_partition(location: Location, scanner: Scanner, target: str, day: str, min_files: int,
+                      settings: CompactionSettings = CompactionSettings()) -> CompactionStats | None:
+    """The cheap check made after an append: list one partition, and once it holds `min_files` part
+    files merge them; likewise its small compaction outputs. None when there was nothing to do.
+
+    Two tiers keep both the file count and the rewriting bounded: a row is rewritten about twice
+    before a full compact() (tier one: part files; tier two: the small outputs of tier one).
+    """
+    started = time.perf_counter()
+    folder = location.path(target_segment(target), f"date={day}")
+    tiers = _tiers(location, folder, settings)
+    if not any(len(tier) >= min_files for tier in tiers):
+        return None
+    recovered, claimed = _recover(location, settings)
+    tiers = [[f for f in tier if f.relative not in claimed] for tier in _tiers(location, folder, settings)]
+    return _merge_groups(location, scanner, [t for t in tiers if len(t) >= min_files], settings,
+                         started, recovered, 0)
+
+
+def _tiers(location: Location, folder: str, settings: CompactionSettings) -> list[list[DataFile]]:
+    files = classify(location, list_files(location, folder)).data
+    return [[f for f in files if f.kind == "part"],
+            [f for f in files if f.kind == "compact" and f.size < settings.small_file_bytes]]
+
+
+def _merge_groups(location: Location, scanner: Scanner, groups: list[list[DataFile]],
+                  settings: CompactionSettings, started: float, recovered: int,
+                  removed: int) -> CompactionStats:
+    totals = dict(input_files=0, output_files=0, rows=0, bytes_before=0, bytes_after=0, skipped=0)
+    for files in groups:
+        for chunk in _chunks(sorted(files, key=lambda f: f.relative), settings.max_input_bytes):
+            if len(chunk) < 2:
+                continue
+            done = _merge(location, scanner, chunk, settings)
+            if done is None:
+                totals["skipped"] += 1
+                continue
+            rows, size = done
+            totals["input_files"] += len(chunk)
+            totals["output_files"] += 1
+            totals["rows"] += rows
+            totals["bytes_before"] += sum(f.size for f in chunk)
+            totals["bytes_after"] += size
+    return CompactionStats(input_files=totals["input_files"], output_files=totals["output_files"],
+                           rows=totals["rows"], bytes_before=totals["bytes_before"],
+                           bytes_after=totals["bytes_after"],
+                           seconds=time.perf_counter() - started, skipped_claimed=totals["skipped"],
+                           recovered=recovered, temporaries_removed=removed)
+
+
+def _chunks(files: list[DataFile], max_bytes: int) -> list[list[DataFile]]:
+    chunks: list[list[DataFile]] = [[]]
+    size = 0
+    for file in files:
+        if chunks[-1] and size + file.size > max_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(file)
+        size += file.size
+    return chunks
+
+
+def _recover(location: Location, settings: CompactionSettings) -> tuple[int, set[str]]:
+    """Finish claims whose output exists, drop abandoned ones and expired tombstones; the inputs of live
+    claims are claimed.
+
+    Oldest first, and a tombstone outlives those of the compactions that made its inputs: a reader
+    follows the chain input -> output -> merged output, so no link may vanish before the older ones.
+    """
+    recovered = 0
+    claimed: set[str] = set()
+    journals = sorted(read_journals(location), key=lambda j: j.created)
+    made = {j.output for j in journals}
+    for journal in journals:
+        if journal.finished is not None:
+            if journal.expired() and made.isdisjoint(journal.inputs):
+                delete_journal(location, journal)
+                made.discard(journal.output)
+        elif exists(location, location.path(journal.output)):
+            for relative in journal.inputs:
+                delete_quietly(location, location.path(relative))
+            finish_journal(location, journal)
+            recovered += 1
+        elif journal.abandoned(settings.stale_seconds):
+            delete_journal(location, journal)
+            made.discard(journal.output)
+            recovered += 1
+        else:
+            claimed.update(journal.inputs)
+    return recovered, claimed
+
+
+def _remove_stale_temporaries(location: Location, settings: CompactionSettings) -> int:
+    """Delete writes in flight that are old enough to be surely dead (a writer killed mid-write)."""
+    limit = time.time() - settings.stale_seconds
+    removed = 0
+    for info in classify(location, list_files(location, location.root)).temporaries:
+        if info.mtime is not None and info.mtime.timestamp() < limit:
+            removed += delete_quietly(location, info.path)
+    return removed
+
+
+def _merge(location: Location, scanner: Scanner, chunk: list[DataFile],
+           settings: CompactionSettings) -> tuple[int, int] | None:
+    """Merge `chunk` into one file; (rows, bytes) written, or None when another compactor holds it."""
+    first = chunk[0]
+    output = "/".join([target_segment(first.target), f"date={first.date}", new_data_name("compact")])
+    journal = Journal.new(output, [f.relative for f in chunk])
+    write_journal(location, journal)
+    finished = False
+    try:
+        mine = set(journal.inputs)
+        if any(other.id != journal.id and mine & set(other.inputs) for other in read_journals(location)):
+            return None
+        table = _read_inputs(scanner, chunk)
+        if table is None:
+            return None
+        if not exists(location, journal.path(location)):
+            return None  # someone took us for dead and dropped our claim: let them have the inputs
+        size = write_atomic(location, location.path(output),
+                            lambda out: _write_merged(table, out, settings.row_group_rows),
+                            durable=settings.durable)
+        for file in chunk:
+            delete_quietly(location, file.path)
+        finish_journal(location, journal)
+        finished = True
+        return table.num_rows, size
+    finally:
+        # A claim that never committed goes; one whose output exists stays while inputs may remain
+        # (readers need it to skip them, and the next compaction finishes the deletions).
+        if not finished and not exists(location, location.path(output)):
+            delete_journal(location, journal)
+
+
+def _read_inputs(scanner: Scanner, chunk: list[DataFile]) -> pa.Table | None:
+    """All rows of `chunk`, or None if one of them vanished (someone else compacted it)."""
+    try:
+        table = scanner.read_files(chunk, list(FILE_SCHEMA.names))
+    except FileNotFoundError:
+        return None
+    return table.select(FILE_SCHEMA.names).cast(FILE_SCHEMA)
+
+
+def _write_merged(table: pa.Table, out: Any, row_group_rows: int) -> None:
+    narrow = table.select(["workload_key", "network", "mean_latency", "error_code", "timestamp",
+                           "record_id"]).to_pandas()
+    leaders = best_positions(narrow, ["workload_key", "network"])
+    is_leader = np.zeros(table.num_rows, dtype=bool)
+    is_leader[leaders] = True
+    head = table.filter(pa.array(is_leader))
+    head = head.take(pc.sort_indices(head, [("workload_key", "ascending")]))
+    rest = table.filter(pa.array(~is_leader))
+    rest = rest.take(pc.sort_indices(rest, [("workload_key", "ascending"),
+                                            ("timestamp", "ascending")]))
+    schema = FILE_SCHEMA.with_metadata({LAYOUT_KEY: LAYOUT_LEADERS,
+                                        b"tensortune.schema_version": str(SCHEMA_VERSION).encode()})
+    with pq.ParquetWriter(out, schema, compression="zstd") as writer:
+        writer.write_table(head, row_group_size=max(head.num_rows, 1))
+        if rest.num_rows:
+            writer.write_table(rest, row_group_size=row_group_rows)

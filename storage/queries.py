@@ -1,0 +1,99 @@
+"""The arithmetic of the store's queries, on plain DataFrames: which row is best, how the best moved.
+
+Kept apart from file access so compaction (which must pick the same "best" rows) and the record store
+share one definition, and so the rules can be read without any I/O around them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from storage.schema import error_name
+
+
+def ok_expression() -> pc.Expression:
+    """The pyarrow filter for a successful measurement: no error and a finite, positive latency."""
+    latency = pc.field("mean_latency")
+    return (pc.field("error_code") == 0) & pc.is_finite(latency) & (latency > 0)
+
+
+def ok_mask(frame: pd.DataFrame) -> np.ndarray:
+    """Which rows of `frame` are successful measurements (the pandas twin of ok_expression)."""
+    latency = frame["mean_latency"].to_numpy(dtype=float)
+    with np.errstate(invalid="ignore"):
+        return (frame["error_code"].to_numpy() == 0) & np.isfinite(latency) & (latency > 0)
+
+
+def best_positions(frame: pd.DataFrame, by: list[str]) -> np.ndarray:
+    """Positions of the best successful row of each `by` group (ties: earliest, then smallest id)."""
+    ok = np.flatnonzero(ok_mask(frame))
+    if len(ok) == 0:
+        return ok
+    keys = frame.iloc[ok][[*by, "mean_latency", "timestamp", "record_id"]].copy()
+    keys["_position"] = ok
+    keys = keys.sort_values(["mean_latency", "timestamp", "record_id"], kind="stable")
+    return keys.drop_duplicates(by, keep="first")["_position"].to_numpy()
+
+
+def task_counts(table: pa.Table, by: list[str]) -> pd.DataFrame:
+    """Records and errors per `by` group (table needs `by` and `error_code`); grouped in Arrow, which
+    is several times faster than pandas on a million string keys."""
+    errors = pc.cast(pc.not_equal(table.column("error_code"), 0), pa.int64())
+    work = table.select(by).append_column("_error", errors)
+    counted = work.group_by(by).aggregate([("_error", "count"), ("_error", "sum")])
+    frame = counted.to_pandas()
+    return frame.rename(columns={"_error_count": "n_records", "_error_sum": "n_errors"})[
+        [*by, "n_records", "n_errors"]]
+
+
+def history_table(frame: pd.DataFrame, per: str) -> pd.DataFrame:
+    """The best latency of each task per flow run (per="run") or per round (per="round"), in time
+    order, with the best so far across everything before it."""
+    if per not in ("run", "round"):
+        raise ValueError(f"per={per!r}: use 'run' or 'round'")
+    keys = ["target", "workload_key", "flow_run_id"] + (["round"] if per == "round" else [])
+    columns = [*keys, "task_name", "network", "timestamp", "mean_latency", "gflops", "error_code"]
+    if frame.empty:
+        return pd.DataFrame(columns=[*keys, "task_name", "start", "end", "n_records", "n_errors",
+                                     "best_latency", "best_gflops", "best_so_far"])
+    work = frame[columns].copy()
+    ok = ok_mask(work)
+    work["_latency"] = np.where(ok, work["mean_latency"], np.nan)
+    work["_gflops"] = np.where(ok, work["gflops"], np.nan)
+    work["_error"] = work["error_code"] != 0
+    table = (work.groupby(keys, observed=True, sort=False)
+             .agg(task_name=("task_name", "first"), start=("timestamp", "min"),
+                  end=("timestamp", "max"), n_records=("timestamp", "size"),
+                  n_errors=("_error", "sum"), best_latency=("_latency", "min"),
+                  best_gflops=("_gflops", "max"))
+             .reset_index()
+             .sort_values(["target", "workload_key", "start"], kind="stable"))
+    table["best_so_far"] = table.groupby(["target", "workload_key"], sort=False)["best_latency"].cummin()
+    return table.reset_index(drop=True)
+
+
+def error_table(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """How many measurements ended with each error code, per `by` group, most frequent first."""
+    keys = [*by, "error_code"]
+    table = frame.groupby(keys, observed=True).size().rename("count").reset_index()
+    table.insert(len(keys), "error_name", [error_name(c) for c in table["error_code"]])
+    return table.sort_values([*by, "count"], ascending=[True] * len(by) + [False],
+                             kind="stable").reset_index(drop=True)
+
+
+def runs_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per flow run: when, which networks and targets, how many tasks, records and errors."""
+    if frame.empty:
+        return pd.DataFrame(columns=["flow_run_id", "start", "end", "networks", "targets", "n_tasks",
+                                     "n_records", "n_errors"])
+    work = frame.assign(_error=frame["error_code"] != 0)
+    joined = lambda values: ",".join(sorted({str(v) for v in values if str(v)}))  # noqa: E731
+    table = (work.groupby("flow_run_id", observed=True)
+             .agg(start=("timestamp", "min"), end=("timestamp", "max"),
+                  networks=("network", joined), targets=("target", joined),
+                  n_tasks=("workload_key", "nunique"), n_records=("timestamp", "size"),
+                  n_errors=("_error", "sum"))
+             .reset_index())
+    return table.sort_values("start", kind="stable").reset_index(drop=True)
