@@ -1,0 +1,99 @@
+"""What a tuning run shows in the Prefect UI: a progress bar, the per-task table, the network estimate.
+
+Artifact keys are stable per network and target (`tune-resnet-18-llvm-progress`, ...), so the Artifacts
+page keeps one series per network across nightly runs, each version linked to its flow run.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+from uuid import UUID
+
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                               update_progress_artifact)
+
+
+def network_label(network: str) -> str:
+    """A network as people name it: a built-in name, or an ONNX file's name without folder and suffix."""
+    return re.sub(r"\.onnx$", "", network.rsplit("/", 1)[-1])
+
+
+def artifact_key(network: str, target: str, kind: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits, dashes) naming network, target kind and kind."""
+    base = network_label(network).lower()
+    slug = re.sub(r"[^a-z0-9]+", "-", f"tune-{base}-{target.split()[0].lower()}-{kind}").strip("-")
+    return re.sub(r"-+", "-", slug)
+
+
+@dataclass
+class TaskRow:
+    """One task's line in the per-task table."""
+    index: int
+    name: str
+    weight: int
+    flops: float
+    best_latency: float          # seconds; inf when nothing ran
+    trials_run: int              # measured by this run
+    trials_total: int            # in the history, this run included
+    default_latency: float = math.nan   # the runtime's default schedule, when measured
+
+    def as_dict(self) -> dict[str, Any]:
+        ok = math.isfinite(self.best_latency) and self.best_latency > 0
+        return {"#": self.index, "task": self.name, "weight": self.weight, "MFLOP": round(self.flops / 1e6, 3),
+                "best latency (ms)": _num(self.best_latency * 1e3 if ok else math.nan, 4),
+                "GFLOP/s": _num(self.flops / self.best_latency / 1e9 if ok else math.nan, 2),
+                "speedup vs default": _num(self.default_latency / self.best_latency if ok else math.nan, 2),
+                "trials (this run)": self.trials_run, "trials (total)": self.trials_total}
+
+
+def _num(x: float, digits: int) -> float | None:
+    return round(float(x), digits) if math.isfinite(x) else None       # JSON has no NaN
+
+
+def estimate(weights: Sequence[int], latencies: Sequence[float]) -> float:
+    """The network's estimated latency (seconds): sum of weight x task latency; NaN when a task has none."""
+    if any(not math.isfinite(c) or c <= 0 for c in latencies):
+        return math.nan
+    return float(sum(w * c for w, c in zip(weights, latencies)))
+
+
+def create_progress(network: str, target: str, total: int) -> UUID:
+    return create_progress_artifact(0.0, key=artifact_key(network, target, "progress"),
+                                    description=f"Tuning {network_label(network)} on {target}: 0/{total} trials")
+
+
+def update_progress(artifact_id: UUID, done: int, total: int, text: str) -> None:
+    update_progress_artifact(artifact_id, min(100.0, 100.0 * done / max(1, total)), description=text)
+
+
+def publish_task_table(network: str, target: str, rows: Sequence[TaskRow]) -> UUID:
+    return create_table_artifact([r.as_dict() for r in rows], key=artifact_key(network, target, "tasks"),
+                                 description=f"Best program per task of {network_label(network)} on {target}")
+
+
+def publish_estimate(network: str, target: str, rows: Sequence[TaskRow], before: Sequence[float],
+                     records_url: str, model_version: str) -> UUID:
+    """Markdown: estimated end-to-end latency with default schedules, at the start of the run, after it."""
+    weights = [r.weight for r in rows]
+    default = estimate(weights, [r.default_latency for r in rows])
+    start = estimate(weights, before)
+    after = estimate(weights, [r.best_latency for r in rows])
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.4f} ms" if math.isfinite(x) else "n/a (a task has no valid program)"
+
+    def speedup(x: float) -> str:
+        return f"{x / after:.2f}x" if math.isfinite(x) and math.isfinite(after) else "-"
+
+    name = network_label(network)
+    lines = [f"## {name} on `{target}`: estimated end-to-end latency",
+             "", "Sum over tasks of weight x best measured latency of the task's kernel.", "",
+             "| | estimated latency | speedup of the result |", "|---|---|---|",
+             f"| runtime default schedules | {ms(default)} | {speedup(default)} |",
+             f"| start of this run (stored best) | {ms(start)} | {speedup(start)} |",
+             f"| **after this run** | **{ms(after)}** | |", "",
+             f"Records: `{records_url}`; cost model: `{model_version or 'random (not trained yet)'}`."]
+    return create_markdown_artifact("\n".join(lines), key=artifact_key(network, target, "estimate"),
+                                    description=f"{name} on {target}: estimated latency before and after")

@@ -1,0 +1,109 @@
+"""Where the flow's Dask workers come from: an existing cluster by address, or a LocalCluster it starts.
+
+The flow holds a plain `distributed.Client` (Prefect task runs stay in the flow process; see
+docs/architecture.md §7). Workers advertise resources: `measure-cpu=1` on CPU measure nodes (one timing
+at a time per node) and `GPU=1` on GPU nodes; a task's measurements only go to workers holding its
+resource, so a cluster without one is an error named before any work is submitted.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+from distributed import Client, LocalCluster
+
+CLUSTER_ENV = "TENSORTUNE_CLUSTER"          # the address to join when no --cluster is given
+CLUSTER_VARIABLE = "tensortune_cluster"     # the same, as a Prefect Variable (for deployments)
+CPU_RESOURCE = "measure-cpu"
+GPU_RESOURCE = "GPU"
+
+
+class ClusterError(RuntimeError):
+    """The Dask cluster cannot be reached or cannot run what the flow needs."""
+
+
+def measure_resource(target_kind: str) -> str:
+    """The worker resource a task's timings need: GPU nodes for CUDA, CPU measure nodes otherwise."""
+    return GPU_RESOURCE if target_kind == "cuda" else CPU_RESOURCE
+
+
+def local_resources(target_kind: str = "llvm") -> dict[str, float]:
+    """What the embedded LocalCluster's worker advertises: this machine is one measure node."""
+    res = {CPU_RESOURCE: 1.0}
+    if target_kind == "cuda":
+        res[GPU_RESOURCE] = 1.0
+    return res
+
+
+def resolve_address(address: str | None) -> str | None:
+    """The cluster to join: the argument, else $TENSORTUNE_CLUSTER, else None (start a LocalCluster).
+    ("local" or "" also mean a LocalCluster.)"""
+    address = address if address is not None else os.environ.get(CLUSTER_ENV)
+    if not address or address.strip().lower() == "local":
+        return None
+    return address.strip()
+
+
+def connect(address: str, timeout: float = 10.0) -> Client:
+    """A client of the running cluster at `address`, or a ClusterError saying what to do."""
+    if "://" not in address:
+        raise ClusterError(f"cluster address {address!r} has no scheme: write tcp://HOST:8786 "
+                           "(or leave --cluster out to start a local cluster)")
+    try:
+        return Client(address, timeout=timeout, set_as_default=False)
+    except (OSError, TimeoutError) as err:
+        raise ClusterError(
+            f"cannot reach the Dask scheduler at {address} within {timeout:.0f} s ({type(err).__name__}: {err}). "
+            "Start one (`dask scheduler --port 8786`, workers with `dask worker ADDRESS --resources "
+            "measure-cpu=1`; see deploy/README.md), fix the address, or leave --cluster out to start "
+            "a local cluster") from None
+
+
+@contextmanager
+def dask_client(address: str | None = None, *, n_workers: int = 1, threads_per_worker: int | None = None,
+                resources: dict[str, float] | None = None, processes: bool = True,
+                timeout: float = 10.0) -> Iterator[Client]:
+    """A client for the flow: joins `address` (left running afterwards) or starts a LocalCluster of
+    `n_workers` measure nodes with `resources` (closed afterwards). One worker with one thread per core
+    is the default: builds run in parallel, timings one at a time."""
+    address = resolve_address(address)
+    if address is not None:
+        client = connect(address, timeout)
+        try:
+            yield client
+        finally:
+            client.close()
+        return
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, n_workers))
+    cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads, processes=processes,
+                           resources=resources or local_resources(), dashboard_address=None,
+                           host="127.0.0.1")
+    client = Client(cluster, set_as_default=False)
+    try:
+        yield client
+    finally:
+        client.close()
+        cluster.close()
+
+
+def workers_with(client: Client, resource: str) -> list[str]:
+    """Addresses of the workers advertising `resource`."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    return [addr for addr, info in workers.items() if info.get("resources", {}).get(resource, 0) > 0]
+
+
+def require_resource(client: Client, resource: str, wait: float = 0.0) -> None:
+    """Fail early, with the fix, when no worker can run timings that need `resource`."""
+    import time
+    deadline = time.monotonic() + wait
+    while not workers_with(client, resource):
+        if time.monotonic() >= deadline:
+            n = len(client.scheduler_info(n_workers=-1)["workers"])
+            flag = f"--resources {resource}=1"
+            raise ClusterError(
+                f"no worker of the Dask cluster at {client.scheduler.address} advertises the resource "
+                f"{resource!r} ({n} workers connected), so measurements that need it would wait forever. "
+                f"Start a worker with `dask worker {client.scheduler.address} {flag}`"
+                + (" on a GPU node" if resource == GPU_RESOURCE else "") + " (see deploy/README.md)")
+        time.sleep(0.2)

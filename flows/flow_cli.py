@@ -1,0 +1,121 @@
+"""`tensortune tune NETWORK`: the tune-network flow on the embedded default, or on a real server and cluster.
+
+Without PREFECT_API_URL it starts (or reuses) a Prefect server on 127.0.0.1 and leaves it running so
+the run can be looked at in the UI afterwards (`--stop-server` stops it by pid at the end); without
+--cluster the flow starts a LocalCluster; records go to ./tuning-records. It ends by printing where
+to look: the record store, the flow run's page, and the server's pid.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from flows.cli import app
+from flows.network_cli import (BatchOption, ImageSizeOption, InputShapeOption, LayersOption, NetworkArg,
+                               SeqLenOption, TargetOption)
+
+console = Console(width=max(120, Console().width))
+
+
+def _fail(message: str) -> None:
+    Console(stderr=True).print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+    raise typer.Exit(code=1)
+
+
+def _records_url(records: str) -> str:
+    return records if "://" in records else os.path.abspath(records)
+
+
+@app.command("tune")
+def tune(network: NetworkArg,
+         trials: Annotated[int, typer.Option("--trials", min=1, help="Programs to measure in this run.")] = 200,
+         records: Annotated[str, typer.Option("--records", envvar="TENSORTUNE_RECORDS",
+                                              help="Record store (folder or URL); the run resumes from it.")]
+         = "./tuning-records",
+         cluster: Annotated[Optional[str], typer.Option(
+             "--cluster", envvar="TENSORTUNE_CLUSTER",
+             help="Dask scheduler to join, e.g. tcp://host:8786 (default: a local cluster).")] = None,
+         target: TargetOption = "llvm", batch: BatchOption = None, image_size: ImageSizeOption = None,
+         seq_len: SeqLenOption = None, layers: LayersOption = None, input_shape: InputShapeOption = None,
+         per_round: Annotated[int, typer.Option("--per-round", min=1, help="Measurements per round.")] = 64,
+         retrain_every: Annotated[int, typer.Option("--retrain-every", min=1,
+                                                    help="Retrain the cost model every R rounds.")] = 2,
+         population: Annotated[Optional[int], typer.Option(
+             "--population", min=16, help="Evolutionary search population (TVM: 2048).")] = None,
+         seed: int = 0,
+         port: Annotated[int, typer.Option("--port", help="Port of the local Prefect server.")] = 4200,
+         stop_server: Annotated[bool, typer.Option(
+             "--stop-server/--keep-server",
+             help="Stop the Prefect server this command started when the run ends (default: keep it for the UI).")]
+         = False) -> None:
+    """Tune a network as a Prefect flow with Dask-measured rounds, resuming from the record store."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.dask_cluster import ClusterError
+    from flows.prefect_server import PrefectServerError, ensure_server
+    from flows.tune_flow import tune_network_flow
+    url = _records_url(records)
+    try:
+        server = ensure_server(port)
+    except PrefectServerError as err:
+        _fail(str(err))
+    how = "started" if server.started_here else "using"
+    console.print(f"Prefect API: {how} {server.api_url}" + (f" (pid {server.pid})" if server.pid else ""))
+    search = {"population": population, "sample_init_population": population} if population else None
+    state = None
+    try:
+        with temporary_settings({PREFECT_API_URL: server.api_url}):
+            state = tune_network_flow(network=network, trials=trials, target=target, records=url, cluster=cluster,
+                                      batch=batch, image_size=image_size, seq_len=seq_len, layers=layers,
+                                      input_shapes=input_shape, per_round=per_round, retrain_every=retrain_every,
+                                      seed=seed, search=search, return_state=True)
+        if state.is_completed():
+            _print_summary(state.result())
+    finally:
+        _where(url, server, state.state_details.flow_run_id if state is not None else None, stop_server)
+    if not state.is_completed():
+        try:
+            state.result()
+        except (ClusterError, ValueError, OSError) as err:
+            _fail(str(err))
+        except Exception as err:  # noqa: BLE001 - the flow's own failure, shown in full in the UI
+            _fail(f"the flow run ended {state.type.value}: {type(err).__name__}: {err}")
+        _fail(f"the flow run ended {state.type.value}")
+
+
+def _where(records: str, server, run_id, stop: bool) -> None:
+    """Where to look: the records, the run's page, and what became of the server."""
+    console.print(f"records:    {records}", soft_wrap=True)
+    console.print(f"Prefect UI: {server.flow_run_url(str(run_id)) if run_id else server.ui_url}", soft_wrap=True)
+    if server.started_here and stop:
+        pid = server.pid
+        server.stop()
+        console.print(f"stopped the Prefect server (pid {pid}); `tensortune tune` or `prefect server start "
+                      f"--port {server.ui_url.rsplit(':', 1)[-1]}` shows the run again", soft_wrap=True)
+    elif server.started_here:
+        console.print(f"the Prefect server (pid {server.pid}) keeps running for the UI; stop it with "
+                      f"`kill {server.pid}`", soft_wrap=True)
+
+
+def _print_summary(summary: dict) -> None:
+    rows = summary["tasks"]
+    table = Table(title=f"{summary['network']} on {summary['target']}: {summary['trials']} trials in "
+                        f"{summary['rounds']} rounds")
+    columns = ["#", "task", "weight", "best latency (ms)", "GFLOP/s", "speedup vs default", "trials (this run)",
+               "trials (total)"]
+    for c in columns:
+        table.add_column(c, justify="left" if c == "task" else "right")
+    for r in rows:
+        table.add_row(*("-" if r[c] is None else str(r[c]) for c in columns))
+    console.print(table)
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.4f} ms" if math.isfinite(x) else "n/a"
+    console.print(f"estimated latency: {ms(summary['estimate_after_s'])} (runtime default schedules "
+                  f"{ms(summary['estimate_default_s'])}, start of this run {ms(summary['estimate_before_s'])}); "
+                  f"cost model {summary['model_version'] or 'random'}")

@@ -1,0 +1,122 @@
+"""Retraining the cost model from the stored history, as a step of its own (not inside every round).
+
+The record store is the single source of truth: a retrain reads the records of the network's tasks,
+trains the XGBoost pack-sum model, stores it as a new version with its metrics (storage.models), and
+swaps it into `NewestModel`, the model every search round predicts with. `update()` of NewestModel
+does nothing on purpose: new measurements reach the model through the store at the next retrain.
+The trainer keeps the features of records it has already read, so each retrain featurises only the
+records added since the last one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from search.candidate import Candidate
+from search.cost_model import CostModel, RandomModel, XGBModel
+from search.state import IllegalStep, State
+from storage.models import ModelStore
+from storage.records import RecordStore
+from tasks.search_task import SearchTask
+
+MODEL_KIND = "xgb-packsum"
+
+
+class NewestModel(CostModel):
+    """The model the search rounds use; `version` names the stored version ("" while random)."""
+
+    def __init__(self, seed: int = 0):
+        self.model: CostModel = RandomModel(seed)
+        self.version = ""
+
+    def use(self, model: CostModel, version: str) -> None:
+        self.model, self.version = model, version
+
+    def predict(self, task: SearchTask, states: list[State]) -> np.ndarray:
+        return self.model.predict(task, states)
+
+    def update(self, task: SearchTask, states: list[State], costs: list[float]) -> None:
+        """Nothing: measurements go to the record store and reach the model at the next retrain."""
+
+    @property
+    def is_random(self) -> bool:
+        return self.model.is_random
+
+
+@dataclass
+class RetrainReport:
+    """What one retrain step did (also the table row of the flow's log)."""
+    trained: bool
+    version: str                     # the version rounds use after this step ("" = random)
+    record_count: int                # programs of this network's tasks in the history
+    new_records: int                 # read since the last retrain
+    reason: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class Trainer:
+    """Collects the training data of a set of tasks on one target from the record store."""
+
+    def __init__(self, tasks: Sequence[SearchTask], target: str, warmup: int = 100, seed: int = 0):
+        self.tasks = {t.workload_key: t for t in tasks}
+        self.target, self.warmup = target, warmup
+        self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed)
+        self.seen: set[tuple[str, str]] = set()
+
+    def read_new(self, records: RecordStore) -> int:
+        """Add the records not read before; returns how many programs were added."""
+        frame = records.training_frame(target=self.target, workload_keys=list(self.tasks))
+        added = 0
+        for key, rows in frame.groupby("workload_key", sort=False):
+            task = self.tasks[str(key)]
+            cands, costs = [], []
+            for steps, latency, code in zip(rows["steps"], rows["mean_latency"], rows["error_code"]):
+                if (key, steps) in self.seen:
+                    continue
+                self.seen.add((key, steps))
+                try:
+                    cands.append(Candidate.of(State.from_json(task.dag, steps)))
+                except IllegalStep:
+                    continue                 # written by an older rule set: kept in the store, skipped here
+                costs.append(float(latency) if code == 0 else math.inf)
+            if cands:
+                self.xgb.add(task, cands, costs)
+                added += len(cands)
+        return added
+
+
+def load_newest(models: ModelStore, target: str, holder: NewestModel) -> str:
+    """Put the newest stored model for `target` into `holder` (if any); returns its version."""
+    found = models.load_newest(target)
+    if found is None:
+        return ""
+    blob, meta = found
+    holder.use(XGBModel.load_bytes(blob), meta["version"])
+    return meta["version"]
+
+
+def retrain(trainer: Trainer, records: RecordStore, models: ModelStore, holder: NewestModel) -> RetrainReport:
+    """Read new records, train when there is enough data and something new, store, and swap in."""
+    import time
+    t0 = time.perf_counter()
+    new = trainer.read_new(records)
+    n = trainer.xgb.n_programs
+    if n < max(8, trainer.warmup):
+        return RetrainReport(False, holder.version, n, new, f"{n} programs in the history; training starts at "
+                             f"{max(8, trainer.warmup)}", seconds=time.perf_counter() - t0)
+    if new == 0 and holder.version:
+        return RetrainReport(False, holder.version, n, 0, "no new records since the last training",
+                             seconds=time.perf_counter() - t0)
+    metrics = trainer.xgb.fit()
+    if metrics is None:
+        return RetrainReport(False, holder.version, n, new, "too few programs to train",
+                             seconds=time.perf_counter() - t0)
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.as_dict().items()}
+    blob = trainer.xgb.save_bytes()
+    version = models.save(trainer.target, blob, clean, record_count=n, kind=MODEL_KIND)
+    holder.use(XGBModel.load_bytes(blob), version)      # exactly the stored bytes
+    return RetrainReport(True, version, n, new, "trained", clean, time.perf_counter() - t0)

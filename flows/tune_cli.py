@@ -1,0 +1,116 @@
+"""`tensortune tune-op` and `tensortune show`: tune one operator, or print a schedule's loop nest."""
+from __future__ import annotations
+
+import time
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from flows.cli import app
+
+console = Console()
+
+
+def parse_args(text: str) -> tuple[list, dict]:
+    """'1024,1024,1024' or '1,56,56,64,64,3,3,1,1' or 'N=1,layout=NHWC' -> (positional, keyword)."""
+    pos, kw = [], {}
+
+    def value(v: str):
+        v = v.strip()
+        for conv in (int, float):
+            try:
+                return conv(v)
+            except ValueError:
+                pass
+        return {"true": True, "false": False}.get(v.lower(), v)
+
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" in part:
+            k, v = part.split("=", 1)
+            kw[k.strip()] = value(v)
+        else:
+            pos.append(value(part))
+    return pos, kw
+
+
+def _task(op: str, args: str, target: str):
+    from codegen.target import make_task
+    from tasks.workload_registry import make_dag
+    pos, kw = parse_args(args)
+    try:
+        return make_task(make_dag(op, *pos, **kw), target)
+    except (KeyError, TypeError, ValueError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+
+
+@app.command("tune-op")
+def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul, conv2d_relu"),
+            args: str = typer.Option("", "--args", help="workload arguments, e.g. 1024,1024,1024"),
+            trials: int = typer.Option(200, help="programs to measure"),
+            target: str = typer.Option("llvm", help="llvm (this CPU) or 'cuda -arch=sm_90'"),
+            records: str = typer.Option("./tuning-records", help="record store (folder or URL); '' for none"),
+            model: str = typer.Option("xgb", help="cost model: xgb or random"),
+            per_round: int = typer.Option(64, help="measurements per round"),
+            seed: int = typer.Option(0)) -> None:
+    """Tune one operator and print the best program's schedule and loop nest."""
+    from codegen.lower import lower
+    from flows.tuning import tune_task
+    from search.sketch_policy import SearchParams
+    from search.state import State
+    from storage.records import RecordStore
+    task = _task(op, args, target)
+    store = RecordStore(records) if records else None
+    console.print(f"tuning [bold]{task.name}[/bold] ({task.flops / 1e9:.3f} GFLOP) on {task.target}, "
+                  f"{trials} trials, records: {records or 'none'}")
+    columns = [TextColumn("round {task.fields[round]}"), BarColumn(), TextColumn("{task.completed}/{task.total} trials"),
+               TextColumn("best {task.fields[best]:.1f} GFLOP/s"), TimeElapsedColumn(), TextColumn("ETA"),
+               TimeRemainingColumn()]
+    start = time.time()
+    with Progress(*columns, console=console) as bar:
+        pid = bar.add_task("tune", total=trials, round=0, best=0.0)
+
+        def progress(log, result) -> None:
+            bar.update(pid, completed=log.trials, round=log.round, best=log.best_gflops)
+
+        result = tune_task(task, trials, model=model, params=SearchParams(num_measures_per_round=per_round),
+                           records=store, seed=seed, progress=progress)
+    if result.best_steps is None:
+        console.print("[red]no program ran successfully[/red]")
+        raise typer.Exit(1)
+    state = State.from_json(task.dag, result.best_steps)
+    console.print(f"best: {result.best_latency * 1e3:.3f} ms, {result.best_gflops:.1f} GFLOP/s after "
+                  f"{result.trials} trials in {time.time() - start:.0f} s "
+                  f"(search {result.search_seconds:.0f} s, measure {result.measure_seconds:.0f} s)")
+    console.print("[bold]schedule[/bold]")
+    console.print(str(state), markup=False)
+    console.print("[bold]loop nest[/bold]")
+    console.print(lower(state, target_kind="cuda" if task.target_kind == "cuda" else "cpu").text(), markup=False)
+    console.print(f"steps: {result.best_steps}", markup=False)
+
+
+@app.command("show")
+def show(op: str = typer.Argument(..., help="registered workload"),
+         args: str = typer.Option("", "--args"),
+         steps: str = typer.Option("", help="a step list (JSON); default: the best record, else the naive one"),
+         records: str = typer.Option("./tuning-records"),
+         target: str = typer.Option("llvm")) -> None:
+    """Print a schedule as TVM prints a State and as the lowered loop nest."""
+    from codegen.lower import lower
+    from flows.tuning import best_steps
+    from search.state import IllegalStep, State
+    from storage.records import RecordStore
+    task = _task(op, args, target)
+    if not steps and records:
+        import os
+        if os.path.exists(records) or "://" in records:
+            steps = best_steps(task, RecordStore(records)) or ""
+    try:
+        state = State.from_json(task.dag, steps) if steps else State(task.dag)
+    except IllegalStep as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    console.print(task.dag.to_text(), markup=False)
+    console.print(str(state), markup=False)
+    console.print(lower(state, target_kind="cuda" if task.target_kind == "cuda" else "cpu").text(), markup=False)

@@ -1,0 +1,323 @@
+"""The tune-network flow: extract, resume, retrain, then rounds of search and Dask-measured batches.
+
+Granularity (docs/architecture.md §7): one Prefect task run per search round, per measure batch and per
+retrain, so the UI reads as the tuning story and orchestration costs milliseconds per round; inside a
+measure batch, one Dask future per candidate build and timing (flows.dask_measure). Prefect task runs
+stay in the flow process and the flow holds its own distributed.Client, so nothing on the Dask workers
+ever talks to Prefect (prefect-dask's task runner cannot work in Prefect's ephemeral mode).
+
+Every measured batch is appended to the record store before the policy and the scheduler learn from it,
+so a run that dies loses at most the batch in flight; a new run resumes from the store: programs
+measured before are never measured again, and each task starts from its stored best.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NONE
+
+from codegen.measure import MeasureResult, TimingConfig
+from flows import artifacts
+from flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, dask_client, local_resources
+from flows.dask_measure import DaskMeasurer
+from flows.retrain import NewestModel, Trainer, load_newest, retrain
+from flows.tuning import default_seeds, learn, propose, resume_policy
+from search.candidate import Candidate
+from search.sketch_policy import SearchParams, SketchPolicy
+from search.task_scheduler import INF_COST, TaskScheduler
+from storage.models import ModelStore
+from storage.records import DEFAULT_ROOT, RecordStore
+from tasks.search_task import SearchTask
+
+_STEP = dict(cache_policy=NONE, persist_result=False)    # task runs pass live objects: never hash or store them
+
+
+class Session:
+    """One flow run's tuning state, kept in the flow process (task runs receive it by reference)."""
+
+    def __init__(self, tasks: list[SearchTask], network: str, records: RecordStore, measurer,
+                 params: SearchParams, strategy: str, seed: int, warmup: int, flow_run_id: str):
+        self.tasks, self.network, self.records, self.measurer = tasks, network, records, measurer
+        self.target = tasks[0].target
+        self.models = ModelStore(records.location.url)
+        self.model = NewestModel(seed)
+        self.params, self.flow_run_id = params, flow_run_id
+        seeds = [default_seeds(t) for t in tasks]
+        self.default_steps = [s[0].steps_json() if s else None for s in seeds]
+        self.policies = [SketchPolicy(t, self.model, params, seed=seed + i, seeds=s)
+                         for i, (t, s) in enumerate(zip(tasks, seeds))]
+        self.sched = TaskScheduler(tasks, strategy=strategy, seed=seed)
+        self.trainer = Trainer(tasks, self.target, warmup, seed)
+        n = len(tasks)
+        self.trials_run, self.trials_before = [0] * n, [0] * n
+        self.before = [math.inf] * n                 # best latency stored before this run
+        self.default_latency = [math.nan] * n
+        self.rounds = 0
+        # where the run's time went, inside the steps (the rest of the wall time is orchestration)
+        self.seconds = {"search": 0.0, "measure": 0.0, "record+learn": 0.0, "retrain": 0.0}
+
+    def best_latency(self, i: int) -> float:
+        c = self.sched.best_costs[i]
+        return c if c < INF_COST else math.inf
+
+    def rows(self) -> list[artifacts.TaskRow]:
+        return [artifacts.TaskRow(i, t.name, t.weight, t.flops, self.best_latency(i), self.trials_run[i],
+                                  self.trials_before[i] + self.trials_run[i], self.default_latency[i])
+                for i, t in enumerate(self.tasks)]
+
+    def estimate(self) -> float:
+        """The network's estimated latency from each task's best so far (NaN while a task has none)."""
+        weights = [t.weight for t in self.tasks]
+        return artifacts.estimate(weights, [self.best_latency(i) for i in range(len(self.tasks))])
+
+
+# ------------------------------------------------------------------ flow steps (Prefect task runs)
+
+@task(name="extract-tasks", **_STEP)
+def extract_network_tasks(network: str, target: str, options: dict[str, Any]) -> list[SearchTask]:
+    """The network's tuning tasks (fused subgraphs, deduplicated, weighted) for the target."""
+    from codegen.target import make_task
+    from flows.network_cli import load_graph
+    from tasks.extract import extract_tasks
+    graph = load_graph(network, **options)
+    net = extract_tasks(graph)
+    tasks = [make_task(t.dag, target, t.name, t.weight) for t in net.tasks]
+    get_run_logger().info(f"{graph.name}: {len(tasks)} tasks, {net.total_flops / 1e9:.3f} GFLOP per run, "
+                          f"target {tasks[0].target if tasks else target}")
+    return tasks
+
+
+@task(name="load-history", **_STEP)
+def load_history(s: Session) -> dict[str, int]:
+    """Resume: stored programs count as measured and seed each task's search and the scheduler."""
+    log = get_run_logger()
+    total = 0
+    for i, p in enumerate(s.policies):
+        n = resume_policy(p, s.records)
+        s.trials_before[i] = n
+        total += n
+        if n and p.best is not None:
+            latency = p.task.flops / (p.best[0] * 1e9)
+            s.before[i] = latency
+            s.sched.restore(i, max(1, n // s.params.num_measures_per_round), latency)
+        if n and s.default_steps[i] is not None:
+            frame = s.records.records_of(p.task.workload_key, target=p.task.target)
+            hit = frame[(frame["steps"] == s.default_steps[i]) & (frame["error_code"] == 0)]
+            if not hit.empty:
+                s.default_latency[i] = float(hit["mean_latency"].iloc[0])
+    resumed = sum(1 for n in s.trials_before if n)
+    log.info(f"history: {total} records of {resumed}/{len(s.tasks)} tasks in {s.records.location.url}")
+    return {"records": total, "tasks_with_history": resumed}
+
+
+@task(name="retrain-cost-model", task_run_name="retrain-{why}", **_STEP)
+def retrain_cost_model(s: Session, why: str) -> dict[str, Any]:
+    """Train the cost model from the stored history, store the new version, make rounds use it."""
+    t0 = time.perf_counter()
+    if why == "start" and not s.model.version:
+        load_newest(s.models, s.target, s.model)
+    report = retrain(s.trainer, s.records, s.models, s.model)
+    s.seconds["retrain"] += time.perf_counter() - t0
+    log = get_run_logger()
+    if report.trained:
+        m = report.metrics
+        log.info(f"cost model {report.version}: {report.record_count} programs ({report.new_records} new), "
+                 f"held-out pairwise accuracy {m.get('pairwise_accuracy')}, recall@{m.get('k')} "
+                 f"{m.get('recall_at_k')}, {report.seconds:.1f} s")
+    else:
+        log.info(f"cost model unchanged ({report.version or 'random'}): {report.reason}")
+    return {"trained": report.trained, "version": report.version, "records": report.record_count,
+            "metrics": report.metrics}
+
+
+@task(name="search-round", task_run_name="search-{label}", **_STEP)
+def search_round(s: Session, i: int, n: int, label: str) -> tuple[list[Candidate], list[float] | None]:
+    """Task i's policy proposes up to n programs never measured before (and the model's scores)."""
+    p = s.policies[i]
+    t0 = time.perf_counter()
+    batch, scores = propose(p, n)
+    s.seconds["search"] += time.perf_counter() - t0
+    get_run_logger().info(f"{p.task.name} (task {i}): {len(batch)} programs proposed in "
+                          f"{time.perf_counter() - t0:.1f} s with cost model {s.model.version or 'random'}")
+    return batch, scores
+
+
+@task(name="measure-batch", task_run_name="measure-{label}", **_STEP)
+def measure_batch(s: Session, i: int, batch: list[Candidate], scores: list[float] | None,
+                  label: str) -> dict[str, Any]:
+    """Build and time the batch on the cluster, append the records, then let policy and scheduler learn."""
+    p = s.policies[i]
+    t0 = time.perf_counter()
+    results: list[MeasureResult] = s.measurer.measure(p.task, [c.steps_json for c in batch])
+    t1 = time.perf_counter()
+    learn(p, batch, results, scores, records=s.records, round_=s.rounds, flow_run_id=s.flow_run_id,
+          network=s.network, model_version=s.model.version)
+    s.sched.record(i, [r.mean for r in results])
+    s.seconds["measure"] += t1 - t0
+    s.seconds["record+learn"] += time.perf_counter() - t1
+    s.trials_run[i] += len(batch)
+    for c, r in zip(batch, results):
+        if c.steps_json == s.default_steps[i] and r.ok:
+            s.default_latency[i] = r.mean
+    errors = sum(1 for r in results if not r.ok)
+    best = s.best_latency(i)
+    stats = getattr(s.measurer, "stats", None)
+    cost = f" (builds {stats.build_s:.1f} s, timings {stats.run_s:.1f} s)" if stats is not None else ""
+    get_run_logger().info(
+        f"round {s.rounds}: {p.task.name} (task {i}) measured {len(batch)} ({errors} errors), best "
+        f"{p.task.flops / best / 1e9 if math.isfinite(best) else 0.0:.1f} GFLOP/s; network estimate "
+        f"{_ms(s.estimate())}{cost}")
+    return {"task": i, "measured": len(batch), "errors": errors, "best_latency": best}
+
+
+# ------------------------------------------------------------------ the loop
+
+def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: str, measurer,
+               per_round: int = 64, retrain_every: int = 2, model_warmup: int = 100, strategy: str = "gradient",
+               seed: int = 0, search: dict | None = None, flow_run_id: str = "") -> dict[str, Any]:
+    """The rounds of one flow run (called inside a flow): returns the run's summary."""
+    log = get_run_logger()
+    if trials < 1:
+        raise ValueError(f"trials must be at least 1, got {trials}")
+    if retrain_every < 1:
+        raise ValueError(f"retrain_every must be at least 1 round, got {retrain_every}")
+    params = SearchParams(**{**(search or {}), "num_measures_per_round": per_round})
+    store = RecordStore(records)
+    s = Session(tasks, network, store, measurer, params, strategy, seed, model_warmup, flow_run_id)
+    load_history(s)
+    retrain_cost_model(s, "start")
+    before = list(s.before)
+    target = s.target
+    progress = artifacts.create_progress(network, target, trials)
+    shown = artifacts.network_label(network)
+    per = max(1, min(per_round, trials // len(tasks)))
+    done = 0
+
+    def one(i: int) -> None:
+        nonlocal done
+        n = min(per, trials - done)
+        label = f"r{s.rounds}-t{i}-{tasks[i].name}"
+        batch, scores = search_round(s, i, n, label)
+        if not batch:
+            s.sched.record(i, [], exhausted=True)
+            log.info(f"{tasks[i].name} (task {i}): search space exhausted")
+            return
+        measure_batch(s, i, batch, scores, label)
+        done += len(batch)
+        s.rounds += 1
+        if s.rounds % retrain_every == 0:
+            retrain_cost_model(s, f"r{s.rounds}")
+        est = s.estimate()
+        artifacts.update_progress(progress, done, trials,
+                                  f"{shown} on {target}: {done}/{trials} trials, {s.rounds} rounds, estimated "
+                                  + (f"{est * 1e3:.4f} ms" if math.isfinite(est) else "latency n/a yet"))
+
+    for i in s.sched.warmup_order():
+        if done >= trials:
+            break
+        one(i)
+    s.sched.after_warmup()
+    while done < trials:
+        i = s.sched.next_task()
+        if i is None:
+            log.info("every task is exhausted or dead: stopping early")
+            break
+        one(i)
+    artifacts.update_progress(progress, trials, trials, f"{shown} on {target}: done, {done} trials in "
+                              f"{s.rounds} rounds")
+    rows = s.rows()
+    artifacts.publish_task_table(network, target, rows)
+    artifacts.publish_estimate(network, target, rows, before, store.location.url, s.model.version)
+    weights = [t.weight for t in tasks]
+    summary = {"network": network, "target": target, "flow_run_id": flow_run_id, "records": store.location.url,
+               "trials": done, "rounds": s.rounds, "model_version": s.model.version,
+               "estimate_default_s": artifacts.estimate(weights, s.default_latency),
+               "estimate_before_s": artifacts.estimate(weights, before), "estimate_after_s": s.estimate(),
+               "seconds": {k: round(v, 3) for k, v in s.seconds.items()}, "tasks": [r.as_dict() for r in rows]}
+    log.info(f"done: {done} trials in {s.rounds} rounds; estimated latency "
+             f"{_ms(summary['estimate_before_s'])} at the start, {_ms(summary['estimate_after_s'])} now "
+             f"(runtime defaults {_ms(summary['estimate_default_s'])}); records in {store.location.url}")
+    return summary
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.4f} ms" if math.isfinite(x) else "n/a (a task has no valid program yet)"
+
+
+def _cluster_address(cluster: str | None) -> str | None:
+    """--cluster, else $TENSORTUNE_CLUSTER, else the Prefect Variable tensortune_cluster, else local."""
+    if cluster is not None or os.environ.get(CLUSTER_ENV):
+        return cluster
+    from prefect.variables import Variable
+    return Variable.get(CLUSTER_VARIABLE, default=None)
+
+
+def _measurer(client, timing: dict | None) -> DaskMeasurer:
+    options = dict(timing or {})
+    build_timeout = float(options.pop("build_timeout", 15.0))
+    run_timeout = float(options.pop("run_timeout", 10.0))
+    return DaskMeasurer(client, timing=TimingConfig(**options), build_timeout=build_timeout,
+                        run_timeout=run_timeout)
+
+
+def _run_name() -> str:
+    """'resnet-18-llvm-2026-11-23-0830': network, target kind and UTC start, readable in the runs list."""
+    from prefect.runtime import flow_run
+    p = flow_run.parameters
+    name = artifacts.network_label(str(p.get("network") or p.get("workload") or "tune"))
+    return f"{name}-{str(p.get('target', 'llvm')).split()[0]}-{datetime.now(timezone.utc):%Y-%m-%d-%H%M}"
+
+
+def _flow_run_id() -> str:
+    from prefect.runtime import flow_run
+    return str(flow_run.get_id() or "")
+
+
+@flow(name="tune-network", flow_run_name=_run_name, persist_result=False)
+def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str = "llvm",
+                      records: str = DEFAULT_ROOT, cluster: str | None = None, batch: int | None = None,
+                      image_size: int | None = None, seq_len: int | None = None, layers: int | None = None,
+                      input_shapes: list[str] | None = None, per_round: int = 64, retrain_every: int = 2,
+                      model_warmup: int = 100, strategy: str = "gradient", seed: int = 0, search: dict | None = None,
+                      timing: dict | None = None, local_workers: int = 1) -> dict[str, Any]:
+    """Tune a network's tasks for `trials` measurements, resuming from the record store.
+
+    network: a built-in network name or an .onnx path (input_shapes: NAME=D0,D1,... for its symbolic
+    dimensions); records: folder or URL of the record store; cluster: tcp://HOST:8786 of a Dask
+    scheduler (default: $TENSORTUNE_CLUSTER, the Prefect Variable tensortune_cluster, else a
+    LocalCluster of `local_workers` workers); search: SearchParams fields; timing: TimingConfig fields
+    plus build_timeout/run_timeout seconds.
+    """
+    options = {k: v for k, v in (("batch", batch), ("image_size", image_size), ("seq_len", seq_len),
+                                 ("layers", layers), ("input_shapes", input_shapes)) if v is not None}
+    tasks = extract_network_tasks(network, target, options)
+    if not tasks:
+        raise ValueError(f"{network} has no tuning tasks")
+    with dask_client(_cluster_address(cluster), n_workers=local_workers,
+                     resources=local_resources(tasks[0].target_kind)) as client:
+        get_run_logger().info(f"Dask scheduler {client.scheduler.address}, "
+                              f"{len(client.scheduler_info(n_workers=-1)['workers'])} workers")
+        return tune_tasks(tasks, network=network, trials=trials, records=records, measurer=_measurer(client, timing),
+                          per_round=per_round, retrain_every=retrain_every, model_warmup=model_warmup,
+                          strategy=strategy, seed=seed, search=search, flow_run_id=_flow_run_id())
+
+
+@flow(name="tune-op", flow_run_name=_run_name, persist_result=False)
+def tune_op_flow(workload: str, args: list[Any], trials: int = 64, target: str = "llvm",
+                 records: str = DEFAULT_ROOT, cluster: str | None = None, per_round: int = 64,
+                 retrain_every: int = 1, model_warmup: int = 100, seed: int = 0, search: dict | None = None,
+                 timing: dict | None = None, local_workers: int = 1) -> dict[str, Any]:
+    """One operator (a registered workload with its arguments) tuned through the same rounds."""
+    from codegen.target import make_task
+    from tasks.workload_registry import make_dag
+    task_ = make_task(make_dag(workload, *args), target)
+    with dask_client(_cluster_address(cluster), n_workers=local_workers,
+                     resources=local_resources(task_.target_kind)) as client:
+        return tune_tasks([task_], network=workload, trials=trials, records=records,
+                          measurer=_measurer(client, timing), per_round=per_round, retrain_every=retrain_every,
+                          model_warmup=model_warmup, seed=seed, search=search, flow_run_id=_flow_run_id())

@@ -1,0 +1,274 @@
+"""Tuning one task as a library call: the policy proposes, the measurer builds and times, records land.
+
+`tune_task` wires a SketchPolicy (search) to a ProgramMeasurer (codegen) and an optional RecordStore
+(storage). It resumes from the store: programs measured before are never measured again and seed the
+search. `apply_best` rebuilds the fastest recorded program as a callable kernel.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from codegen.measure import MeasureResult, ProgramMeasurer
+from search.candidate import Candidate
+from search.cost_model import CostModel, RandomModel, XGBModel
+from search.sketch_policy import SearchParams, SketchPolicy
+from search.state import IllegalStep, State
+from storage.records import MeasureRecord, RecordStore
+from tasks.search_task import SearchTask
+
+
+@dataclass
+class RoundLog:
+    round: int
+    trials: int
+    best_gflops: float
+    search_s: float
+    measure_s: float
+    train_s: float
+    errors: int
+
+
+@dataclass
+class TuneResult:
+    task: SearchTask
+    best_steps: str | None
+    best_latency: float                 # seconds (inf when nothing ran)
+    trials: int
+    rounds: list[RoundLog] = field(default_factory=list)
+    curve: list[tuple[int, float]] = field(default_factory=list)   # (trials, best GFLOP/s so far)
+
+    @property
+    def best_gflops(self) -> float:
+        return self.task.flops / self.best_latency / 1e9 if math.isfinite(self.best_latency) else 0.0
+
+    @property
+    def search_seconds(self) -> float:
+        return sum(r.search_s + r.train_s for r in self.rounds)
+
+    @property
+    def measure_seconds(self) -> float:
+        return sum(r.measure_s for r in self.rounds)
+
+
+def make_model(kind: str | CostModel, seed: int = 0) -> CostModel:
+    if isinstance(kind, CostModel):
+        return kind
+    if kind == "xgb":
+        return XGBModel(seed=seed)
+    if kind == "random":
+        return RandomModel(seed)
+    raise ValueError(f"unknown cost model {kind!r}; use 'xgb' or 'random'")
+
+
+def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureResult], *, round_: int,
+               flow_run_id: str = "", network: str = "", model_version: str = "",
+               scores: list[float] | None = None) -> list[MeasureRecord]:
+    out = []
+    for i, (c, r) in enumerate(zip(cands, results)):
+        out.append(MeasureRecord(
+            workload_key=task.workload_key, target=task.target, steps=c.steps_json, flow_run_id=flow_run_id,
+            round=round_, task_name=task.name, network=network, latencies=list(r.costs),
+            mean_latency=r.mean, error_code=int(r.error_code), error_msg=r.error_msg[:2000],
+            build_seconds=r.build_seconds, run_seconds=r.run_seconds, model_version=model_version,
+            predicted_score=float(scores[i]) if scores is not None else math.nan, flops=task.flops, host=r.host))
+    return out
+
+
+def resume_policy(policy: SketchPolicy, records: RecordStore) -> int:
+    """Feed the stored history of this task into the policy and its cost model; returns its size."""
+    frame = records.records_of(policy.task.workload_key, target=policy.task.target)
+    if frame.empty:
+        return 0
+    cands, costs = [], []
+    for steps, latency, code in zip(frame["steps"], frame["mean_latency"], frame["error_code"]):
+        try:
+            state = State.from_json(policy.task.dag, steps)
+        except IllegalStep:
+            continue                       # a record from an older rule set: keep it, skip it here
+        cands.append(Candidate.of(state))
+        costs.append(float(latency) if code == 0 else math.inf)
+    policy.preload(cands, costs)
+    if isinstance(policy.model, XGBModel):
+        policy.model.add(policy.task, cands, costs)
+        policy.model.fit()
+    return len(cands)
+
+
+def propose(policy: SketchPolicy, n: int) -> tuple[list[Candidate], list[float] | None]:
+    """Up to n programs never measured before, with the cost model's scores (None while it is random)."""
+    batch = policy.next_batch(n)
+    scores = [float(x) for x in policy.model.predict(policy.task, batch)] \
+        if batch and not policy.model.is_random else None
+    return batch, scores
+
+
+def learn(policy: SketchPolicy, batch: list[Candidate], results: list[MeasureResult], scores: list[float] | None,
+          *, records: RecordStore | None = None, round_: int = 0, flow_run_id: str = "", network: str = "",
+          model_version: str | None = None) -> None:
+    """Store the measurements first (learning may fail; a record must not be lost), then update."""
+    if not batch:
+        return
+    if records is not None:
+        version = model_version if model_version is not None else str(getattr(policy.model, "version", ""))
+        records.append(to_records(policy.task, batch, results, round_=round_, flow_run_id=flow_run_id,
+                                  network=network, model_version=version, scores=scores))
+    policy.update(batch, [r.mean for r in results])
+
+
+def run_round(policy: SketchPolicy, measurer, n: int, *, records: RecordStore | None = None, round_: int = 0,
+              flow_run_id: str = "", network: str = "") -> tuple[list[Candidate], list[MeasureResult], RoundLog]:
+    """One search round of one task: propose n programs, measure them, record, learn."""
+    t0 = time.perf_counter()
+    batch, scores = propose(policy, n)
+    t1 = time.perf_counter()
+    results = measurer.measure(policy.task, [c.steps_json for c in batch]) if batch else []
+    t2 = time.perf_counter()
+    learn(policy, batch, results, scores, records=records, round_=round_, flow_run_id=flow_run_id,
+          network=network)
+    t3 = time.perf_counter()
+    best = policy.best[0] if policy.best else 0.0
+    log = RoundLog(round_, len(batch), best, t1 - t0, t2 - t1, t3 - t2, sum(1 for r in results if not r.ok))
+    return batch, results, log
+
+
+def default_seeds(task: SearchTask) -> list[State]:
+    """The network runtime's default schedule, measured first so a tuned task is never worse."""
+    if task.target_kind != "llvm":
+        return []
+    from codegen.network_runtime import default_schedule
+    try:
+        return [default_schedule(task.dag)]
+    except (IllegalStep, ValueError):
+        return []
+
+
+def tune_task(task: SearchTask, trials: int, *, measurer: ProgramMeasurer | None = None,
+              model: str | CostModel = "xgb", params: SearchParams | None = None,
+              records: RecordStore | None = None, seed: int = 0, flow_run_id: str = "", network: str = "",
+              progress: Callable[[RoundLog, TuneResult], None] | None = None,
+              seed_default: bool = False) -> TuneResult:
+    """Measure `trials` new programs for `task` and return the best (including earlier records).
+    seed_default: also measure the network runtime's default schedule (first round)."""
+    params = params or SearchParams()
+    policy = SketchPolicy(task, make_model(model, seed), params, seed=seed,
+                          seeds=default_seeds(task) if seed_default else None)
+    if records is not None:
+        resume_policy(policy, records)
+    own = measurer is None
+    measurer = measurer or ProgramMeasurer()
+    result = TuneResult(task, None, math.inf, 0)
+    if policy.best is not None:
+        result.best_steps, result.best_latency = policy.best[1].steps_json, task.flops / (policy.best[0] * 1e9)
+    try:
+        rnd = 0
+        while result.trials < trials:
+            n = min(params.num_measures_per_round, trials - result.trials)
+            batch, results, log = run_round(policy, measurer, n, records=records, round_=rnd,
+                                            flow_run_id=flow_run_id, network=network)
+            if not batch:
+                break                         # the space is exhausted
+            for c, r in zip(batch, results):
+                result.trials += 1
+                if r.ok and r.mean < result.best_latency:
+                    result.best_latency, result.best_steps = r.mean, c.steps_json
+                result.curve.append((result.trials, result.best_gflops))
+            log.trials, log.best_gflops = result.trials, result.best_gflops
+            result.rounds.append(log)
+            if progress is not None:
+                progress(log, result)
+            rnd += 1
+    finally:
+        if own:
+            measurer.close()
+    return result
+
+
+@dataclass
+class NetworkTuneResult:
+    tasks: list[SearchTask]
+    best_costs: list[float]                   # seconds per task (inf: none valid)
+    best_steps: list[str | None]
+    trials: int
+    curve: list[tuple[int, float]] = field(default_factory=list)   # (trials, objective = est. latency)
+    decisions: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def estimated_latency(self) -> float:
+        return float(sum(t.weight * c for t, c in zip(self.tasks, self.best_costs)))
+
+
+def tune_network(tasks: list[SearchTask], trials: int, *, measurer=None, model: str | CostModel = "xgb",
+                 params: SearchParams | None = None, records: RecordStore | None = None,
+                 strategy: str = "gradient", objective=None, seed: int = 0, flow_run_id: str = "",
+                 network: str = "", scheduler_options: dict | None = None,
+                 progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None) -> NetworkTuneResult:
+    """Spend `trials` measurements over a network's tasks, where the objective gains most."""
+    from search.task_scheduler import TaskScheduler
+    params = params or SearchParams()
+    shared = make_model(model, seed)
+    policies = [SketchPolicy(t, shared, params, seed=seed + i, seeds=default_seeds(t)) for i, t in enumerate(tasks)]
+    sched = TaskScheduler(tasks, objective=objective, strategy=strategy, seed=seed, **(scheduler_options or {}))
+    if records is not None:
+        for i, p in enumerate(policies):
+            n = resume_policy(p, records)
+            if n and p.best is not None:
+                sched.restore(i, max(1, n // params.num_measures_per_round), p.task.flops / (p.best[0] * 1e9))
+    per_round = max(1, min(params.num_measures_per_round, trials // len(tasks)))
+    own = measurer is None
+    measurer = measurer or ProgramMeasurer()
+    result = NetworkTuneResult(tasks, list(sched.best_costs), [p.best[1].steps_json if p.best else None
+                                                               for p in policies], 0)
+    rnd = 0
+
+    def one(i: int) -> bool:
+        nonlocal rnd
+        batch, results, log = run_round(policies[i], measurer, per_round, records=records, round_=rnd,
+                                        flow_run_id=flow_run_id, network=network)
+        sched.record(i, [r.mean for r in results], exhausted=not batch)
+        result.trials += len(batch)
+        result.best_costs = list(sched.best_costs)
+        result.best_steps[i] = policies[i].best[1].steps_json if policies[i].best else None
+        result.curve.append((result.trials, sched.score()))
+        if progress is not None:
+            progress(i, log, result)
+        rnd += 1
+        return bool(batch)
+
+    try:
+        for i in sched.warmup_order():
+            if result.trials >= trials:
+                break
+            one(i)
+        sched.after_warmup()
+        while result.trials < trials:
+            i = sched.next_task()
+            if i is None:
+                break
+            one(i)
+    finally:
+        if own:
+            measurer.close()
+    result.decisions = list(sched.decisions)
+    return result
+
+
+def best_steps(task: SearchTask, records: RecordStore) -> str | None:
+    frame = records.best_per_task(target=task.target)
+    row = frame[frame["workload_key"] == task.workload_key]
+    return None if row.empty else str(row["steps"].iloc[0])
+
+
+def apply_best(task: SearchTask, source: TuneResult | RecordStore):
+    """The fastest measured program of the task, rebuilt and loaded: call it with numpy arrays."""
+    steps = source.best_steps if isinstance(source, TuneResult) else best_steps(task, source)
+    if steps is None:
+        raise LookupError(f"no successful measurement of {task} yet; tune it first")
+    state = State.from_json(task.dag, steps)
+    if task.target_kind == "cuda":
+        from codegen.cuda_backend import CUDAKernel, build as build_cuda
+        return CUDAKernel(build_cuda(state, task.target))
+    from codegen.llvm_backend import LLVMKernel, build
+    return LLVMKernel(build(state, task.target))

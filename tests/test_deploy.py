@@ -1,0 +1,128 @@
+"""deploy/: the nightly deployment is valid for Prefect and its cron schedule is what it says; the Dask
+cluster specs of the compose file start a real scheduler, CPU measure worker and GPU worker that
+advertise their resources and measure a batch."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def test_prefect_yaml_is_valid_and_its_entrypoints_and_parameters_load():
+    from prefect.cli.deploy._models import PrefectYamlModel     # what `prefect deploy` validates with
+    from prefect.flows import load_flow_from_entrypoint
+    raw = load("prefect.yaml")
+    project = PrefectYamlModel.model_validate(raw)
+    assert {d.name for d in project.deployments} >= {"nightly"}
+    for d in project.deployments:
+        flow = load_flow_from_entrypoint(str(ROOT / d.entrypoint))
+        assert flow.name == "tune-network"
+        flow.validate_parameters(dict(d.parameters))            # every parameter exists and has its type
+        assert d.work_pool.name == "tensortune"
+
+
+def test_nightly_cron_schedule_runs_every_night_at_two_utc():
+    from prefect.server.schemas.schedules import CronSchedule
+    (nightly,) = [d for d in load("prefect.yaml")["deployments"] if d["name"] == "nightly"]
+    (spec,) = nightly["schedules"]
+    assert spec["active"] is True and nightly["concurrency_limit"] == 1
+    schedule = CronSchedule(cron=spec["cron"], timezone=spec["timezone"])
+    start = datetime(2026, 3, 28, 12, 0, tzinfo=timezone.utc)
+    dates = asyncio.run(schedule.get_dates(n=4, start=start))
+    first = datetime(2026, 3, 29, 2, 0, tzinfo=timezone.utc)
+    assert [d.astimezone(timezone.utc) for d in dates] == [first + timedelta(days=k) for k in range(4)]
+    with pytest.raises(ValueError):
+        CronSchedule(cron="0 2 * *", timezone="UTC")             # a broken cron line is rejected
+
+
+def test_compose_wires_the_pool_the_cluster_and_the_records():
+    compose = load("compose.yaml")
+    services = compose["services"]
+    worker = services["prefect-worker"]
+    assert "--pool tensortune" in worker["command"]
+    assert worker["environment"]["TENSORTUNE_CLUSTER"] == "tcp://dask-scheduler:8786"
+    assert any(v.endswith(":/app/tuning-records") for v in worker["volumes"])
+    assert "--resources measure-cpu=1" in services["cpu-worker"]["command"]
+    assert "--resources GPU=1" in services["gpu-worker"]["command"]
+    assert services["gpu-worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "constraints.txt" in dockerfile and "libgomp1" in dockerfile
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dask_args(command: str, scheduler: str, port: int) -> list[str]:
+    """A compose `dask ...` command run here: the scheduler's address and ports made local."""
+    args = shlex.split(command.replace("tcp://dask-scheduler:8786", scheduler))
+    assert args[0] == "dask"
+    args = [a.replace("8786", str(port)).replace("0.0.0.0", "127.0.0.1") for a in args]
+    if "--dashboard-address" in args:
+        i = args.index("--dashboard-address")
+        args[i:i + 2] = ["--no-dashboard"]
+    return [str(Path(sys.executable).with_name("dask"))] + args[1:]
+
+
+def test_the_compose_cluster_specs_start_a_real_cluster_that_measures(tmp_path):
+    from distributed import Client
+
+    from codegen.measure import TimingConfig
+    from codegen.target import make_task
+    from flows.dask_cluster import workers_with
+    from flows.dask_measure import DaskMeasurer
+    from search.state import State
+    from tasks.workload_registry import make_dag
+    services = load("compose.yaml")["services"]
+    port = _free_port()
+    scheduler = f"tcp://127.0.0.1:{port}"
+    procs = []
+    try:
+        for name in ("dask-scheduler", "cpu-worker", "gpu-worker"):
+            args = _dask_args(services[name]["command"], scheduler, port)
+            if name != "dask-scheduler":
+                args += ["--no-dashboard"]
+            procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True))
+            if name == "dask-scheduler":
+                time.sleep(1.0)
+        with Client(scheduler, timeout=60, set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=90)
+            names = {info["name"]: addr for addr, info in client.scheduler_info(n_workers=-1)["workers"].items()}
+            assert workers_with(client, "measure-cpu") == [names["cpu-0"]]
+            assert workers_with(client, "GPU") == [names["gpu-0"]]
+            task = make_task(make_dag("matmul", 32, 32, 32))
+            results = DaskMeasurer(client, timing=TimingConfig(min_repeat_ms=2)).measure(
+                task, [State(task.dag).steps_json(), State(task.dag).split("C", 1, [16]).steps_json()])
+            assert all(r.ok for r in results), [r.error_msg for r in results]
+    finally:
+        for p in reversed(procs):
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()

@@ -1,0 +1,146 @@
+"""DaskMeasurer on a real LocalCluster of 2 workers with resources: results in order, a crashing kernel
+costs one record (never a Dask worker), timings go only to workers holding the task's resource, a worker
+killed mid-round costs retries but no record, and a bad cluster is a clear error."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from distributed import Client, LocalCluster, get_task_stream
+
+from codegen.measure import BuildResult, ErrorCode, LocalBuilder, TimingConfig
+from codegen.target import make_task
+from flows.dask_cluster import ClusterError, connect, workers_with
+from flows.dask_measure import DaskMeasurer
+from search.sketch_policy import SearchParams, SketchPolicy
+from search.state import State
+from tasks.workload_registry import make_dag
+from tests.test_measure import SEGFAULT, _artifact
+
+TIMING = TimingConfig(min_repeat_ms=2, repeat=1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, resources={"measure-cpu": 1},
+                      dashboard_address=None, host="127.0.0.1") as c, Client(c, set_as_default=False) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def task():
+    return make_task(make_dag("matmul", 48, 48, 48))
+
+
+def programs(task, n: int, seed: int = 0) -> list[str]:
+    policy = SketchPolicy(task, params=SearchParams(population=32, sample_init_population=32, num_iters=1),
+                          seed=seed)
+    return [c.steps_json for c in policy.next_batch(n)]
+
+
+def test_results_come_back_in_order_with_errors_as_records(cluster, task):
+    good = State(task.dag).split("C", 1, [16]).vectorize("C", 2).steps_json()
+    steps = [State(task.dag).steps_json(), good, '[["SP", 99, 0, 48, [4], 1]]', "not json"]
+    results = DaskMeasurer(cluster, timing=TIMING).measure(task, steps)
+    assert len(results) == 4
+    assert results[0].ok and results[1].ok, [r.error_msg for r in results[:2]]
+    assert results[2].error_code == ErrorCode.INSTANTIATION_ERROR
+    assert results[3].error_code == ErrorCode.INSTANTIATION_ERROR
+    assert all(r.build_seconds > 0 for r in results[:2]) and all(r.run_seconds > 0 for r in results[:2])
+
+
+def test_a_crashing_kernel_costs_one_record_not_a_worker(cluster, task):
+    pids = cluster.run(os.getpid)
+    builder = LocalBuilder(n_parallel=1)
+    try:
+        (good,) = builder.build(task, [State(task.dag).split("C", 1, [16]).steps_json()])
+    finally:
+        builder.close()
+    crash = BuildResult(_artifact(SEGFAULT, task.dag), 0, "", 0.0)
+    results = DaskMeasurer(cluster, timing=TIMING).run_builds(task, [crash, good, crash, good])
+    assert [r.error_code for r in results] == [ErrorCode.RUNTIME_DEVICE, 0, ErrorCode.RUNTIME_DEVICE, 0]
+    assert "SIGSEGV" in results[0].error_msg
+    assert cluster.run(os.getpid) == pids                      # both Dask workers survived
+
+
+def test_cuda_timings_need_a_gpu_worker(cluster):
+    cuda = make_task(make_dag("matmul", 64, 64, 64), "cuda -arch=sm_90")
+    with pytest.raises(ClusterError, match=r"'GPU'.*--resources GPU=1"):
+        DaskMeasurer(cluster, resource_wait=0).measure(cuda, [State(cuda.dag).steps_json()])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_cluster_is_a_clear_error():
+    with pytest.raises(ClusterError, match=r"cannot reach the Dask scheduler at tcp://127.0.0.1:\d+.*dask scheduler"):
+        connect(f"tcp://127.0.0.1:{_free_port()}", timeout=2)
+    with pytest.raises(ClusterError, match="no scheme"):
+        connect("somehost:8786")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed to build CUDA candidates")
+def test_cuda_timings_go_only_to_the_gpu_worker_and_cpu_timings_never(cluster, task):
+    """A real `dask worker --resources GPU=1` joins: CUDA timings run there only, CPU timings never do."""
+    address = cluster.scheduler.address
+    gpu = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1",
+                            "--nworkers", "1", "--resources", "GPU=1", "--name", "gpu-test", "--no-dashboard"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not workers_with(cluster, "GPU") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (gpu_worker,) = workers_with(cluster, "GPU")
+        cuda = make_task(make_dag("matmul", 64, 64, 64), "cuda -arch=sm_90")
+        with get_task_stream(client=cluster) as stream:
+            DaskMeasurer(cluster, timing=TIMING).measure(cuda, programs(cuda, 2))
+        cuda_runs = [t["worker"] for t in stream.data if str(t["key"]).startswith("run-")]
+        with get_task_stream(client=cluster) as stream:
+            DaskMeasurer(cluster, timing=TIMING).measure(task, programs(task, 4))
+        cpu_runs = [t["worker"] for t in stream.data if str(t["key"]).startswith("run-")]
+        assert len(cuda_runs) == 2 and set(cuda_runs) == {gpu_worker}
+        assert len(cpu_runs) == 4 and set(cpu_runs) <= set(workers_with(cluster, "measure-cpu"))
+    finally:
+        os.kill(gpu.pid, signal.SIGTERM)
+        try:
+            gpu.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.kill(gpu.pid, signal.SIGKILL)
+            gpu.wait()
+
+
+def kill_a_timing_worker(client: Client, pids: dict[str, int], timeout: float = 60.0) -> int:
+    """SIGKILL (by pid) the first worker seen timing a candidate; returns the pid."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for worker, keys in client.processing().items():
+            if any(str(k).startswith("run-") for k in keys) and worker in pids:
+                os.kill(pids[worker], signal.SIGKILL)
+                return pids[worker]
+        time.sleep(0.02)
+    raise AssertionError("no timing started on any worker")
+
+
+def test_a_worker_killed_mid_round_costs_retries_not_records(cluster, task):
+    steps = programs(task, 10, seed=3)
+    pids = cluster.run(os.getpid)
+    measurer = DaskMeasurer(cluster, timing=TimingConfig(min_repeat_ms=150, repeat=1))
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.setdefault("results", measurer.measure(task, steps)))
+    thread.start()
+    killed = kill_a_timing_worker(cluster, pids)
+    thread.join(timeout=300)
+    results = out["results"]
+    assert len(results) == len(steps)
+    assert all(r.ok for r in results), [r.error_msg for r in results if not r.ok]
+    assert killed not in cluster.run(os.getpid).values()        # that worker is gone (the nanny made a new one)

@@ -1,0 +1,138 @@
+"""The tune-network flow against a real Prefect API (the test harness) on a real LocalCluster of 2 workers
+with resources: a 2-task network (an ONNX file) is tuned for a few rounds while a worker is killed
+mid-round; every record lands in Parquet, the artifacts and the Completed state are read back through the
+API, cost models are stored with metrics, and a second run resumes from the history."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from distributed import Client, LocalCluster
+
+from flows.artifacts import artifact_key
+from flows.tune_flow import tune_network_flow
+from storage.models import ModelStore
+from storage.records import RecordStore
+from tests.test_flow_dask_measure import kill_a_timing_worker
+
+SMALL = dict(per_round=8, retrain_every=2, model_warmup=16,
+             search=dict(population=64, sample_init_population=64, num_iters=1),
+             timing=dict(min_repeat_ms=40, repeat=1))
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, resources={"measure-cpu": 1},
+                      dashboard_address=None, host="127.0.0.1") as c, Client(c, set_as_default=False) as client:
+        yield client
+
+
+def two_task_onnx(path: str) -> str:
+    """x[16,64] -> MatMul+Add+Relu -> MatMul -> y[16,32]: two tuning tasks."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(0)
+
+    def init(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.1).astype(np.float32), name)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Add", ["h", "b1"], ["hb"]),
+             helper.make_node("Relu", ["hb"], ["r"]), helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "two-task-mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 32])],
+                              [init("w1", 64, 48), init("b1", 48), init("w2", 48, 32)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def read_back(flow_run_id):
+    """The flow run and its artifacts, through the Prefect API."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    flow_run_id = UUID(str(flow_run_id))
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run_id)
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return run, found
+
+
+def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, prefect_api, cluster):
+    network = two_task_onnx(str(tmp_path / "mlp.onnx"))
+    records = str(tmp_path / "records")
+    address = cluster.scheduler.address
+    pids = cluster.run(os.getpid)
+
+    # first run: 32 trials in 4 rounds of 8, one Dask worker killed by its pid while it times a candidate
+    out = {}
+    run = threading.Thread(target=lambda: out.setdefault("state", tune_network_flow(
+        network, trials=32, records=records, cluster=address, return_state=True, **SMALL)))
+    run.start()
+    killed = kill_a_timing_worker(cluster, pids, timeout=120)
+    run.join(timeout=600)
+    state = out["state"]
+    assert state.is_completed(), state
+    first = state.result()
+    assert killed not in cluster.run(os.getpid).values()
+
+    # records: real Parquet, one row per measured program, none lost to the kill
+    files = [os.path.join(d, f) for d, _, fs in os.walk(records) for f in fs if f.endswith(".parquet")]
+    assert files and sum(pq.read_metadata(f).num_rows for f in files) == 32
+    store = RecordStore(records)
+    frame = store.read()
+    assert len(frame) == 32 and frame["workload_key"].nunique() == 2
+    assert set(frame["flow_run_id"]) == {str(state.state_details.flow_run_id)}
+    assert not frame["error_msg"].str.startswith("dask:").any()
+    assert (frame["error_code"] == 0).sum() >= 30, frame[["error_code", "error_msg"]]
+    assert first["trials"] == 32 and first["rounds"] == 4
+
+    # the flow run and its artifacts, read back through the Prefect API
+    flow_run, found = read_back(state.state_details.flow_run_id)
+    assert flow_run.state.is_completed() and flow_run.name.startswith("mlp-llvm-")
+    by_type = {a.type: a for a in found}
+    assert set(by_type) >= {"progress", "table", "markdown"}
+    assert float(by_type["progress"].data) == 100.0
+    assert by_type["table"].key == artifact_key(network, "llvm", "tasks")
+    rows = by_type["table"].data
+    rows = rows if isinstance(rows, list) else __import__("json").loads(rows)
+    assert len(rows) == 2 and all(r["GFLOP/s"] > 0 and r["trials (this run)"] > 0 for r in rows)
+    assert "runtime default schedules" in by_type["markdown"].data and "after this run" in by_type["markdown"].data
+
+    # cost models: retrained every 2 rounds from the store, versioned, with metrics
+    models = ModelStore(records).list()
+    assert len(models) == 2 and (models["record_count"] == [16, 32]).all()
+    assert "metric.pairwise_accuracy" in models and set(frame["model_version"]) - {""} <= set(models["version"])
+
+    # second run: resumes; measures no program twice and starts from the stored best
+    state2 = tune_network_flow(network, trials=16, records=records, cluster=address, return_state=True, **SMALL)
+    assert state2.is_completed(), state2
+    second = state2.result()
+    frame2 = store.read()
+    assert len(frame2) == 48
+    assert not frame2.duplicated(["workload_key", "steps"]).any()
+    assert second["estimate_before_s"] == pytest.approx(first["estimate_after_s"], rel=1e-9)
+    assert second["estimate_after_s"] <= second["estimate_before_s"]
+    assert [r["trials (total)"] for r in second["tasks"]] == [
+        a["trials (total)"] + b["trials (this run)"] for a, b in zip(first["tasks"], second["tasks"])]
+    assert len(ModelStore(records).list()) >= 3                # retrained at the start from the history
+
+
+def test_a_bad_cluster_address_fails_the_run_with_what_to_do(tmp_path, prefect_api):
+    from flows.dask_cluster import ClusterError
+    network = two_task_onnx(str(tmp_path / "mlp.onnx"))
+    state = tune_network_flow(network, trials=8, records=str(tmp_path / "r"), cluster="tcp://127.0.0.1:9",
+                              return_state=True, **SMALL)
+    assert state.is_failed()
+    with pytest.raises(ClusterError, match="cannot reach the Dask scheduler at tcp://127.0.0.1:9"):
+        state.result()
