@@ -1,0 +1,142 @@
+"""What every benchmark needs: a clean BLAS environment, the machine's peak, reference timings, tables.
+
+Speed is reported as ratios against NumPy/OpenBLAS, PyTorch CPU and the measured FMA peak, all taken
+in the same run. OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE (which slow OpenBLAS here) are removed by
+re-executing the benchmark before numpy is loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def ensure_clean_blas_env() -> None:
+    """Re-exec without the variables that slow OpenBLAS (they only take effect at library load)."""
+    if any(v in os.environ for v in BLAS_ENV):
+        env = {k: v for k, v in os.environ.items() if k not in BLAS_ENV}
+        os.execve(sys.executable, [sys.executable, "-m", "bench"] + sys.argv[1:], env)
+
+
+def blas_info() -> str:
+    from threadpoolctl import threadpool_info
+    libs = [f"{i['internal_api']} {i.get('version', '')} {i.get('architecture', '')} x{i['num_threads']}"
+            for i in threadpool_info() if i["user_api"] == "blas"]
+    return "; ".join(libs) or "no BLAS found"
+
+
+def median_time(fn: Callable[[], object], min_seconds: float = 0.3, repeat: int = 5) -> float:
+    """Median seconds per call over `repeat` batches, each batch lasting at least `min_seconds`."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - t0, 1e-7)
+    number = max(1, int(min_seconds / one))
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - t0) / number)
+    return statistics.median(samples)
+
+
+_PEAK_IR = """
+declare void @GOMP_parallel(ptr, ptr, i32, i32)
+declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
+define void @peak(ptr %out, i64 %iters) #0 {
+entry:
+  br label %loop
+loop:
+  %i = phi i64 [0, %entry], [%i.next, %loop]
+ACC_PHIS
+FMAS
+  %i.next = add i64 %i, 1
+  %c = icmp slt i64 %i.next, %iters
+  br i1 %c, label %loop, label %done
+done:
+SUMS
+  store volatile <16 x float> %s15, ptr %out
+  ret void
+}
+define void @peak_body(ptr %d) #0 {
+  %buf = alloca <16 x float>, align 64
+  %n = load i64, ptr %d
+  call void @peak(ptr %buf, i64 %n)
+  ret void
+}
+define void @peak_threads(i64 %iters, i32 %threads) #0 {
+  %d = alloca i64
+  store i64 %iters, ptr %d
+  call void @GOMP_parallel(ptr @peak_body, ptr %d, i32 %threads, i32 0)
+  ret void
+}
+attributes #0 = { nounwind "target-cpu"="CPU" "target-features"="FEATURES" "prefer-vector-width"="512" "min-legal-vector-width"="512" }
+"""
+
+
+def measure_fma_peak(threads: int) -> float:
+    """GFLOP/s of 16 independent chains of 512-bit FMAs on `threads` threads (the machine's fp32 peak)."""
+    import ctypes
+
+    import llvmlite.binding as llvm
+
+    from codegen.llvm_backend import _init, _new_target_machine, compile_ir
+    from codegen.target import parse_target
+    _init()
+    target = parse_target("llvm")
+    n_acc = 16
+    phis = "\n".join(f"  %a{k} = phi <16 x float> [zeroinitializer, %entry], [%f{k}, %loop]" for k in range(n_acc))
+    mul = "<" + ", ".join(["float 0x3FF0000020000000"] * 16) + ">"
+    fmas = "\n".join(f"  %f{k} = call <16 x float> @llvm.fma.v16f32(<16 x float> %a{k}, <16 x float> {mul}, "
+                     f"<16 x float> {mul})" for k in range(n_acc))
+    sums = "  %s0 = fadd <16 x float> %f0, %f1\n" + "\n".join(
+        f"  %s{k} = fadd <16 x float> %s{k - 1}, %f{k + 1}" for k in range(1, n_acc - 1))
+    sums += "\n  %s15 = fadd <16 x float> %s14, %f0"
+    ir = (_PEAK_IR.replace("ACC_PHIS", phis).replace("FMAS", fmas).replace("SUMS", sums)
+          .replace("CPU", target.cpu).replace("FEATURES", target.features))
+    obj = compile_ir(ir, target)
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _new_target_machine(target.cpu, target.features))
+    engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+    engine.finalize_object()
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int32)(engine.get_function_address("peak_threads"))
+    iters = 2_000_000
+    secs = median_time(lambda: fn(iters, threads), min_seconds=0.2, repeat=5)
+    return iters * n_acc * 16 * 2 * threads / secs / 1e9
+
+
+def torch_threads(n: int):
+    """PyTorch with n intra-op threads, or None when torch is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(n)
+    return torch
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    def fmt(v) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return "" if v is None else str(v)
+    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(columns, widths)),
+             "-|-".join("-" * w for w in widths)]
+    lines += [" | ".join(fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)) for r in rows]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def write_json(path: str | None, rows: Sequence[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(f"wrote {len(rows)} rows to {path}")

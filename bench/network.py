@@ -1,0 +1,199 @@
+"""`python -m bench network NETWORK`: whole networks, default schedules vs tuned vs PyTorch CPU eager.
+
+Extracts the network's tasks, tunes them with the gradient task scheduler (and, at the same number of
+trials, with round-robin), builds the network from the best records, checks it against the graph's
+NumPy reference and times it end to end. PyTorch runs the same architecture written by hand with
+torch.nn (torchvision does not import beside the CPU torch wheel), eager, with the same thread count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from bench.common import ensure_clean_blas_env, median_time, print_table, torch_threads, write_json
+
+NETWORK_OPTIONS = {
+    "resnet-18": {},
+    "mobilenet-v2": {},
+    "bert-base": {"num_layers": 1, "seq_len": 128},
+}
+
+
+# ---------------------------------------------------------------------------------- PyTorch models
+
+def torch_model(name: str, torch, options: dict):
+    nn = torch.nn
+
+    class Basic(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.c1 = nn.Conv2d(cin, cout, 3, stride, 1)
+            self.c2 = nn.Conv2d(cout, cout, 3, 1, 1)
+            self.down = nn.Conv2d(cin, cout, 1, stride) if stride != 1 or cin != cout else None
+
+        def forward(self, x):
+            y = self.c2(torch.relu(self.c1(x)))
+            return torch.relu(y + (self.down(x) if self.down is not None else x))
+
+    class ResNet18(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 64, 7, 2, 3)
+            layers, cin = [], 64
+            for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+                layers += [Basic(cin, cout, stride), Basic(cout, cout, 1)]
+                cin = cout
+            self.layers = nn.Sequential(*layers)
+            self.fc = nn.Linear(512, 1000)
+
+        def forward(self, x):
+            x = nn.functional.max_pool2d(torch.relu(self.stem(x)), 3, 2, 1)
+            x = self.layers(x)
+            return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+    class InvRes(nn.Module):
+        def __init__(self, cin, cout, stride, expand):
+            super().__init__()
+            hid = cin * expand
+            self.expand = nn.Conv2d(cin, hid, 1) if expand != 1 else None
+            self.dw = nn.Conv2d(hid, hid, 3, stride, 1, groups=hid)
+            self.project = nn.Conv2d(hid, cout, 1)
+            self.res = stride == 1 and cin == cout
+
+        def forward(self, x):
+            y = nn.functional.relu6(self.expand(x)) if self.expand is not None else x
+            y = self.project(nn.functional.relu6(self.dw(y)))
+            return x + y if self.res else y
+
+    class MobileNetV2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 32, 3, 2, 1)
+            blocks, cin = [], 32
+            for t, c, n, s in ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                               (6, 160, 3, 2), (6, 320, 1, 1)):
+                for i in range(n):
+                    blocks.append(InvRes(cin, c, s if i == 0 else 1, t))
+                    cin = c
+            self.blocks = nn.Sequential(*blocks)
+            self.head = nn.Conv2d(320, 1280, 1)
+            self.fc = nn.Linear(1280, 1000)
+
+        def forward(self, x):
+            x = self.blocks(nn.functional.relu6(self.stem(x)))
+            x = nn.functional.relu6(self.head(x))
+            return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+    class BertLayer(nn.Module):
+        def __init__(self, hidden=768, heads=12, inter=3072):
+            super().__init__()
+            self.heads = heads
+            self.qkv = nn.Linear(hidden, 3 * hidden)
+            self.out = nn.Linear(hidden, hidden)
+            self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+            self.ff1, self.ff2 = nn.Linear(hidden, inter), nn.Linear(inter, hidden)
+
+        def forward(self, x):
+            b, s, h = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+            att = torch.softmax(q @ k.transpose(-1, -2) / (h // self.heads) ** 0.5, dim=-1)
+            ctx = (att @ v).transpose(1, 2).reshape(b, s, h)
+            x = self.ln1(x + self.out(ctx))
+            return self.ln2(x + self.ff2(nn.functional.gelu(self.ff1(x))))
+
+    class Bert(nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.layers = nn.Sequential(*[BertLayer() for _ in range(layers)])
+
+        def forward(self, x):
+            return self.layers(x)
+
+    if name == "resnet-18":
+        return ResNet18().eval(), (1, 3, 224, 224)
+    if name == "mobilenet-v2":
+        return MobileNetV2().eval(), (1, 3, 224, 224)
+    if name == "bert-base":
+        return Bert(options.get("num_layers", 1)).eval(), (1, options.get("seq_len", 128), 768)
+    raise ValueError(f"no PyTorch model for {name}")
+
+
+def torch_ms(name: str, threads: int, options: dict) -> float:
+    torch = torch_threads(threads)
+    if torch is None:
+        return float("nan")
+    model, shape = torch_model(name, torch, options)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        return median_time(lambda: model(x), min_seconds=1.0) * 1e3
+
+
+# ---------------------------------------------------------------------------------- tensortune
+
+def run(name: str, trials: int, strategy: str, seed: int, options: dict, measurer, store=None):
+    from codegen.target import make_task
+    from flows.tuning import tune_network
+    from tasks.extract import extract_tasks
+    from tasks.models import make_network
+    net = extract_tasks(make_network(name, **options))
+    tasks = [make_task(t.dag, "llvm", t.name, t.weight) for t in net.tasks]
+    t0 = time.perf_counter()
+    res = tune_network(tasks, trials, measurer=measurer, strategy=strategy, seed=seed, records=store,
+                       progress=lambda i, log, r: print(f"  {name} [{strategy}] {r.trials}/{trials} trials, "
+                                                         f"task {i} best {log.best_gflops:.1f} GFLOP/s, "
+                                                         f"est. {r.estimated_latency * 1e3:.2f} ms", flush=True))
+    return net, tasks, res, time.perf_counter() - t0
+
+
+def network_latency(net, records: dict | None) -> tuple[float, bool]:
+    from codegen.network_runtime import build_network
+    compiled = build_network(net, records)
+    ok = compiled.check().passed
+    return compiled.benchmark(repeat=20).median_ms, ok
+
+
+def trials_to_reach(curve, target: float) -> int | None:
+    for t, obj in curve:
+        if obj <= target * (1 + 1e-9):
+            return t
+    return None
+
+
+def main(argv: list[str]) -> int:
+    ensure_clean_blas_env()
+    ap = argparse.ArgumentParser(prog="python -m bench network")
+    ap.add_argument("networks", nargs="*", default=["resnet-18"])
+    ap.add_argument("--trials", type=int, default=2000)
+    ap.add_argument("--json")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-round-robin", action="store_true", help="skip the round-robin comparison")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+    rows = []
+    for name in args.networks:
+        options = NETWORK_OPTIONS.get(name, {})
+        measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
+        net, tasks, grad, wall = run(name, args.trials, "gradient", args.seed, options, measurer)
+        default_ms, ok_default = network_latency(net, None)
+        best = {t.workload_key: s for t, s in zip(tasks, grad.best_steps) if s}
+        tuned_ms, ok_tuned = network_latency(net, best)
+        row = {"network": name, "tasks": len(tasks), "trials": grad.trials, "default_ms": default_ms,
+               "tuned_ms": tuned_ms, "torch_ms": torch_ms(name, args.threads, options),
+               "checked": ok_default and ok_tuned, "tune_wall_s": wall,
+               "est_latency_ms": grad.estimated_latency * 1e3, "gradient_curve": grad.curve}
+        row["speedup_vs_torch"] = row["torch_ms"] / tuned_ms
+        if not args.no_round_robin:
+            _, _, rr, _ = run(name, args.trials, "round-robin", args.seed, options, measurer)
+            target = rr.curve[-1][1]
+            row["rr_final_objective_ms"] = target * 1e3
+            row["gradient_trials_to_rr_final"] = trials_to_reach(grad.curve, target)
+            row["rr_curve"] = rr.curve
+        measurer.close()
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("curve")}), flush=True)
+    print_table(rows, ["network", "tasks", "trials", "default_ms", "tuned_ms", "torch_ms", "speedup_vs_torch",
+                       "checked", "rr_final_objective_ms", "gradient_trials_to_rr_final"])
+    write_json(args.json, rows)
+    return 0

@@ -1,0 +1,153 @@
+"""`python -m bench tune`: does the search find kernels faster than the libraries people use?
+
+Tunes matmul 1024^3, matmul+bias+relu 1024^3, the ResNet-18 conv2d+relu layer and a MobileNet-V2
+depthwise conv, then re-times the best program with more repeats and compares it with NumPy/OpenBLAS or
+PyTorch CPU (same thread count) and the measured FMA peak. Reports search and measurement time
+separately and the best-so-far curve; `--ablate` adds the random-model and no-crossover runs at equal
+trials. `--target cuda` runs the GPU benchmark (bench/tune_cuda.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from bench.common import (blas_info, ensure_clean_blas_env, measure_fma_peak, median_time, print_table,
+                          torch_threads, write_json)
+
+WORKLOADS = {
+    "matmul": ("matmul", (1024, 1024, 1024), "numpy"),
+    "matmul_bias_relu": ("matmul_bias_relu", (1024, 1024, 1024), "numpy"),
+    "conv2d_relu": ("conv2d_relu", (1, 56, 56, 64, 64, 3, 3, 1, 1), "torch"),
+    "depthwise_conv2d": ("depthwise_conv2d", (1, 112, 112, 32, 3, 1, 1), "torch"),
+}
+
+
+def reference_ms(key: str, dag, threads: int) -> tuple[str, float]:
+    """The library's time for the same computation on the same inputs."""
+    import numpy as np
+    inputs = dag.random_inputs()
+    if key == "matmul":
+        a, b = inputs
+        return "numpy", median_time(lambda: a @ b) * 1e3
+    if key == "matmul_bias_relu":
+        a, b, bias = inputs
+        return "numpy", median_time(lambda: np.maximum(a @ b + bias, 0)) * 1e3
+    torch = torch_threads(threads)
+    if torch is None:
+        return "torch", float("nan")
+    x, w = (torch.from_numpy(v) for v in inputs)
+    if key == "conv2d_relu":
+        return "torch", median_time(lambda: torch.relu(torch.nn.functional.conv2d(x, w, padding=1))) * 1e3
+    return "torch", median_time(lambda: torch.nn.functional.conv2d(x, w, padding=1, groups=w.shape[0])) * 1e3
+
+
+def run_one(key: str, trials: int, model: str, crossover: float, measurer, retime, seed: int, per_round: int,
+            overrides: dict | None = None):
+    from codegen.target import make_task
+    from flows.tuning import tune_task
+    from search.sketch_policy import SearchParams
+    from tasks.workload_registry import make_dag
+    name, args, _ = WORKLOADS[key]
+    task = make_task(make_dag(name, *args))
+    params = SearchParams(**{"crossover_prob": crossover, "num_measures_per_round": per_round, **(overrides or {})})
+    t0 = time.perf_counter()
+    res = tune_task(task, trials, measurer=measurer, model=model, params=params, seed=seed,
+                    progress=lambda log, r: print(f"  {key} [{model}, crossover {crossover}] round {log.round}: "
+                                                  f"{log.trials} trials, best {log.best_gflops:.1f} GFLOP/s, "
+                                                  f"search {log.search_s + log.train_s:.1f}s measure {log.measure_s:.1f}s",
+                                                  flush=True))
+    wall = time.perf_counter() - t0
+    (r,) = retime.run(task, retime_builds(task, res.best_steps)) if res.best_steps else (None,)
+    ms = statistics.median(r.costs) * 1e3 if r is not None and r.ok else float("nan")
+    per_round_overhead = [x.search_s + x.train_s for x in res.rounds]
+    return task, res, ms, wall, per_round_overhead
+
+
+def retime_builds(task, steps: str):
+    from codegen.measure import LocalBuilder
+    b = LocalBuilder(n_parallel=1)
+    try:
+        return b.build(task, [steps])
+    finally:
+        b.close()
+
+
+def plot(curves: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = sorted({k for k, _ in curves})
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for (k, label), (xs, ys, ref) in curves.items():
+            if k == key:
+                ax.plot(xs, ys, label=label)
+        ref = next(v[2] for (k, _), v in curves.items() if k == key)
+        if ref == ref:
+            ax.axhline(ref, color="k", ls="--", lw=1, label="library")
+        ax.set_title(key)
+        ax.set_xlabel("trials")
+        ax.set_ylabel("best GFLOP/s")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench tune")
+    ap.add_argument("--trials", type=int, default=1000)
+    ap.add_argument("--json", help="write one JSON object per row to this file")
+    ap.add_argument("--ablate", action="store_true", help="also run the random model and no crossover")
+    ap.add_argument("--target", default="llvm")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--per-round", type=int, default=64)
+    ap.add_argument("--plot", default="docs/tune_curve.png")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                    help="override a SearchParams field, e.g. --param max_vectorize_size=64")
+    args, rest = ap.parse_known_args(argv)
+    if args.target.startswith("cuda"):
+        from bench import tune_cuda
+        return tune_cuda.main(argv)
+    ensure_clean_blas_env()
+    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer, TimingConfig
+    peak = measure_fma_peak(args.threads)
+    print(f"BLAS: {blas_info()}; fp32 FMA peak {peak:.0f} GFLOP/s on {args.threads} threads")
+    measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
+    retime = LocalRunner(timeout=60, config=TimingConfig(repeat=7, min_repeat_ms=200))
+    overrides = {}
+    for item in args.param:
+        k, _, v = item.partition("=")
+        overrides[k] = type(getattr(__import__("search.sketch_policy", fromlist=["SearchParams"]).SearchParams(), k))(v)
+    rows, curves = [], {}
+    runs = [("xgb", 0.05, "xgb+crossover")]
+    if args.ablate:
+        runs += [("random", 0.05, "random model"), ("xgb", 0.0, "no crossover")]
+    for key in args.workloads.split(","):
+        for model, cross, label in runs:
+            task, res, ms, wall, overhead = run_one(key, args.trials, model, cross, measurer, retime, args.seed,
+                                                    args.per_round, overrides)
+            lib, lib_ms = reference_ms(key, task.dag, args.threads)
+            gflops = task.flops / ms / 1e6 if ms == ms else float("nan")
+            rows.append({"workload": key, "run": label, "ms": ms, "gflops": gflops, f"{lib}_ms": lib_ms,
+                         "ratio": lib_ms / ms if ms == ms else float("nan"), "vs": lib, "peak_frac": gflops / peak,
+                         "trials": res.trials, "search_s": res.search_seconds, "measure_s": res.measure_seconds,
+                         "wall_s": wall, "max_search_s_per_round": max(overhead) if overhead else 0.0,
+                         "median_search_s_per_round": statistics.median(overhead) if overhead else 0.0,
+                         "best_steps": res.best_steps,
+                         "curve": [[t, g] for t, g in res.curve]})
+            curves[(key, label)] = ([t for t, _ in res.curve], [g for _, g in res.curve],
+                                    task.flops / lib_ms / 1e6 if lib_ms == lib_ms else float("nan"))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("curve", "best_steps")}), flush=True)
+    measurer.close()
+    retime.close()
+    print_table(rows, ["workload", "run", "ms", "gflops", "vs", "numpy_ms", "torch_ms", "ratio", "peak_frac",
+                       "trials", "search_s", "measure_s", "median_search_s_per_round"])
+    write_json(args.json, rows)
+    if args.plot:
+        plot(curves, args.plot)
+    return 0
