@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from storage.filesystem import Location, delete_quietly, exists, list_files, write_atomic
 from storage.journal import Journal, delete_journal, finish_journal, read_journals, write_journal
-from storage.layout import DataFile, classify, new_data_name, target_segment
+from storage.layout import COMPACTIONS_DIR, DataFile, classify, new_data_name, target_segment
 from storage.queries import best_positions
 from storage.scan import Scanner
 from storage.schema import FILE_SCHEMA, SCHEMA_VERSION
@@ -167,10 +167,13 @@ def _recover(location: Location, settings: CompactionSettings) -> tuple[int, set
 
 
 def _remove_stale_temporaries(location: Location, settings: CompactionSettings) -> int:
-    """Delete writes in flight that are old enough to be surely dead (a writer killed mid-write)."""
+    """Delete writes in flight that are old enough to be surely dead (a writer or compactor killed
+    mid-write): temporary part files, and temporary journals."""
     limit = time.time() - settings.stale_seconds
     removed = 0
-    for info in classify(location, list_files(location, location.root)).temporaries:
+    journals = [info for info in list_files(location, location.path(COMPACTIONS_DIR))
+                if info.base_name.startswith(".") and info.base_name.endswith(".tmp")]
+    for info in classify(location, list_files(location, location.root)).temporaries + journals:
         if info.mtime is not None and info.mtime.timestamp() < limit:
             removed += delete_quietly(location, info.path)
     return removed

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
 from storage.filesystem import Location, delete_quietly, list_files, read_bytes, write_atomic
@@ -67,6 +67,9 @@ class Journal:
         return False
 
 
+_FIELDS = {f.name for f in fields(Journal)}  # a newer build may add fields: ignore what we don't know
+
+
 def _machine() -> str:
     """Where a pid means something: the host name plus, on Linux, the pid namespace (containers on
     one host may share a name and a volume, but not their pids)."""
@@ -93,7 +96,7 @@ def read_journals(location: Location) -> list[Journal]:
         try:
             payload = json.loads(read_bytes(location, info.path))
             payload["inputs"] = tuple(payload["inputs"])
-            journals.append(Journal(**payload))
+            journals.append(Journal(**{k: v for k, v in payload.items() if k in _FIELDS}))
         except FileNotFoundError:
             continue  # finished and removed while we listed
         except (ValueError, KeyError, TypeError) as exc:
@@ -128,8 +131,10 @@ def resolve(journals: list[Journal], present: set[str], exists: Callable[[str], 
     """Apply `journals` to the relative paths `present` in one listing.
 
     A file's rows are visible if it is listed or went into a compaction output whose rows are visible
-    (outputs are merged again, so this follows chains). `exists` is asked only about the output of an
-    unfinished journal with unlisted inputs: it tells a torn listing from a claim that never committed.
+    (outputs are merged again, so this follows chains). The listing is torn when a compaction lost
+    inputs it did not list and its output, unlisted, exists now: the output appeared behind the cursor.
+    (An output that does not exist is a claim that never committed, or a file quarantined or deleted
+    by hand: listing again would not bring it back.) `exists` is asked only in those rare cases.
     """
     outputs: dict[str, list[str]] = {}
     for journal in journals:
@@ -145,5 +150,5 @@ def resolve(journals: list[Journal], present: set[str], exists: Callable[[str], 
 
     skip = {name for name in present if any(visible(o) for o in outputs.get(name, ()))}
     torn = any(not visible(j.output) and any(name not in present for name in j.inputs)
-               and (j.finished is not None or exists(j.output)) for j in journals)
+               and exists(j.output) for j in journals)
     return View(skip=skip, torn=torn)

@@ -58,7 +58,10 @@ class Scanner:
         raise StoreChangedError(f"foreign files keep appearing in {self.location.url}")
 
     def _list(self, targets: Sequence[str] | None) -> Snapshot:
-        for _ in range(_ATTEMPTS):
+        slow = False
+        for attempt in range(_ATTEMPTS):
+            if attempt:
+                time.sleep(0.01 * 2 ** attempt)  # let the compaction we overlapped finish
             started = time.monotonic()
             if targets is None:
                 infos = list_files(self.location, self.location.root)
@@ -73,11 +76,16 @@ class Scanner:
                 journals = [j for j in journals if j.output.split("/", 1)[0] in segments]
             view = resolve(journals, present,
                            lambda relative: exists(self.location, self.location.path(relative)))
-            if not view.torn and time.monotonic() - started < MAX_LISTING_SECONDS:
+            slow = time.monotonic() - started >= MAX_LISTING_SECONDS
+            if not view.torn and not slow:
                 return Snapshot(files=[f for f in listing.data if f.relative not in view.skip],
                                 foreign=listing.foreign)
-        raise StoreChangedError(f"listings of {self.location.url} kept overlapping compactions (or took "
-                                f"over {MAX_LISTING_SECONDS:.0f} s); try again when they have finished")
+        if slow:
+            raise StoreChangedError(
+                f"listing {self.location.url} takes over {MAX_LISTING_SECONDS:.0f} s, too long to be "
+                "sure no compaction was missed: run RecordStore.compact() to merge its small files")
+        raise StoreChangedError(f"listings of {self.location.url} kept overlapping compactions; try "
+                                "again when they have finished")
 
     def scan(self, columns: Sequence[str], filter: pc.Expression | None = None,
              targets: Sequence[str] | None = None, since_day: str | None = None,

@@ -4,7 +4,9 @@ from __future__ import annotations
 import multiprocessing
 
 import numpy as np
+import pytest
 
+from storage import scan
 from storage.journal import Journal, resolve
 from storage.records import RecordStore
 from storage.synthetic import synthetic_batch
@@ -80,17 +82,55 @@ def test_a_listing_that_missed_a_compaction_is_torn():
     # inputs deleted ahead of it. The journal tells, and the reader lists again.
     merged = _journal(("p/a", "p/b"), "p/c", finished=True)
     never = lambda output: False  # noqa: E731
-    assert resolve([merged], {"p/x"}, never).torn
-    assert not resolve([merged], {"p/c", "p/x"}, never).torn
-    view = resolve([merged], {"p/a", "p/b", "p/c"}, never)  # committed, inputs not yet deleted
+    made = lambda *names: (lambda output: output in names)  # noqa: E731
+    assert resolve([merged], {"p/x"}, made("p/c")).torn
+    assert not resolve([merged], {"p/c", "p/x"}, made("p/c")).torn
+    view = resolve([merged], {"p/a", "p/b", "p/c"}, made("p/c"))  # committed, inputs not yet deleted
     assert view.skip == {"p/a", "p/b"} and not view.torn
+    # An output that is gone for good (quarantined, deleted by hand) is no reason to list again.
+    assert not resolve([merged], {"p/x"}, never).torn
     # c merged again into d: a's rows are in d, so only d counts.
     again = _journal(("p/c", "p/e"), "p/d", finished=True)
     assert resolve([merged, again], {"p/d"}, never) == resolve([again], {"p/d"}, never)
     assert resolve([merged, again], {"p/a", "p/d"}, never).skip == {"p/a"}
-    assert resolve([merged, again], {"p/x"}, never).torn
+    assert resolve([merged, again], {"p/x"}, made("p/d")).torn
     # A claim that never committed (its inputs were merged by someone else) is not a tear...
     dead = _journal(("p/a",), "p/z", finished=False)
-    assert not resolve([dead, merged], {"p/c"}, never).torn
+    assert not resolve([dead, merged], {"p/c"}, made("p/c")).torn
     # ...but an unfinished one whose output exists unlisted is: it committed during the listing.
-    assert resolve([dead], {"p/x"}, lambda output: output == "p/z").torn
+    assert resolve([dead], {"p/x"}, made("p/z")).torn
+
+
+def _compacted_store(root) -> tuple[RecordStore, int]:
+    store = RecordStore(str(root), auto_compact=None, durable=False)
+    rng = np.random.default_rng(0)
+    for index in range(4):
+        store.append(synthetic_batch(rng, BATCH, round=index))
+    store.compact()
+    return store, 4 * BATCH
+
+
+def test_the_scanner_lists_again_after_a_torn_listing(tmp_path, monkeypatch):
+    store, rows = _compacted_store(tmp_path)
+    real = scan.list_files
+    calls = []
+
+    def racing(location, folder):  # the first listing misses the merged file, as a racing readdir can
+        calls.append(folder)
+        infos = real(location, folder)
+        return [i for i in infos if "compact-" not in i.base_name] if len(calls) == 1 else infos
+
+    monkeypatch.setattr(scan, "list_files", racing)
+    assert len(store.read()) == rows
+    assert len(calls) == 2
+
+
+def test_a_quarantined_merged_file_does_not_stop_readers(tmp_path):
+    # The merged file is damaged and quarantined while its tombstone is fresh: its inputs are gone
+    # and its output too, for good. Readers must carry on (listing again would not bring it back).
+    _compacted_store(tmp_path)
+    (merged,) = tmp_path.rglob("compact-*.parquet")
+    merged.write_bytes(merged.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="moved 1 bad file"):
+        assert len(RecordStore(str(tmp_path), on_bad_file="quarantine").read()) == 0
+    assert list((tmp_path / "_quarantine").rglob("compact-*.parquet"))

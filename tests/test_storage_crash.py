@@ -118,3 +118,15 @@ def test_crash_between_commit_and_cleanup(tmp_path):
     assert stats.recovered == 1
     assert all(not os.path.exists(p) for p in paths)
     assert row_multiset(store.read()) == expected
+
+
+def test_stale_journal_temporaries_are_removed(tmp_path):
+    store = RecordStore(str(tmp_path), auto_compact=None)
+    folder = tmp_path / "_compactions"
+    folder.mkdir()
+    stale, fresh = folder / f".{'a' * 32}.json.0badf00d.tmp", folder / f".{'b' * 32}.json.0badf00d.tmp"
+    for path in (stale, fresh):
+        path.write_text('{"half": ')
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    assert store.compact().temporaries_removed == 1
+    assert not stale.exists() and fresh.exists()
