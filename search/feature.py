@@ -14,6 +14,8 @@ statement is not modelled.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,14 +100,32 @@ class _Linear:
     atoms: list = field(default_factory=list)     # non-linear parts containing loop vars
 
 
-def _linear(e: Expr, loop_vars: set) -> _Linear:
+class _FreeVars:
+    """te.free_vars, memoised by node: `_linear` asks about every subtree of every index, and index
+    trees share subtrees, so walking each anew was quadratic (a third of building a template)."""
+
+    def __init__(self):
+        self.memo: dict[int, frozenset] = {}
+
+    def __call__(self, e: Expr) -> frozenset:
+        found = self.memo.get(id(e))
+        if found is None:
+            if isinstance(e, Var):
+                found = frozenset((e,))
+            else:
+                found = frozenset().union(*(self(k) for k in te.children(e)))
+            self.memo[id(e)] = found
+        return found
+
+
+def _linear(e: Expr, loop_vars: set, free_vars: _FreeVars) -> _Linear:
     if isinstance(e, Var):
         return _Linear({e: 1}) if e in loop_vars else _Linear()
     if isinstance(e, te.Const):
         return _Linear()
     if isinstance(e, te.BinOp) and not te.is_float(e.dtype):
         if e.op in ("add", "sub"):
-            a, b = _linear(e.a, loop_vars), _linear(e.b, loop_vars)
+            a, b = _linear(e.a, loop_vars, free_vars), _linear(e.b, loop_vars, free_vars)
             coef = dict(a.coef)
             for v, c in b.coef.items():
                 c = c if e.op == "add" else te.binary("sub", te.const(0), te.as_expr(c))
@@ -113,11 +133,11 @@ def _linear(e: Expr, loop_vars: set) -> _Linear:
             return _Linear(coef, a.atoms + b.atoms)
         if e.op == "mul":
             for x, y in ((e.a, e.b), (e.b, e.a)):
-                if not (te.free_vars(y) & loop_vars):
-                    inner = _linear(x, loop_vars)
+                if not (free_vars(y) & loop_vars):
+                    inner = _linear(x, loop_vars, free_vars)
                     return _Linear({v: te.binary("mul", te.as_expr(c), y) for v, c in inner.coef.items()},
                                    [te.binary("mul", a, y) for a in inner.atoms])
-    if te.free_vars(e) & loop_vars:
+    if free_vars(e) & loop_vars:
         return _Linear({}, [e])
     return _Linear()
 
@@ -125,54 +145,121 @@ def _linear(e: Expr, loop_vars: set) -> _Linear:
 class _IntervalCompiler:
     """Straight-line numpy source for the bounds of an index expression: loop variables in `ranging`
     span [0, X[v] - 1] (X: their extents), other loop variables are held at 0, symbols take their
-    values. Sub-expressions become local variables, so shared subtrees are bounded once."""
+    values. Sub-expressions become local variables, so shared subtrees are bounded once.
 
-    def __init__(self, names: dict, loop_vars: set):
-        self.names, self.loop_vars = names, loop_vars
+    This is most of the features' run time, so the source is kept small: each interval carries a
+    lower bound known at compile time (loop variables >= 0, tile and region sizes >= 1, given in
+    `floors`), and the product of non-negative intervals is [lo*lo, hi*hi] (two multiplies, not four
+    plus six min/max); a point interval (lo is hi: sizes and their products) is computed once; constant
+    parts are folded.
+    """
+
+    def __init__(self, names: dict, loop_vars: set, floors: dict):
+        self.names, self.loop_vars, self.floors = names, loop_vars, floors
         self.lines: list[str] = []
         self.memo: dict = {}
 
     def bound(self, e: Expr, ranging: frozenset) -> tuple[str, str]:
+        return self._signed(e, ranging)[:2]
+
+    def _signed(self, e: Expr, ranging: frozenset) -> tuple[str, str, float]:
+        """(lo, hi, a number no larger than lo)."""
         key = (id(e), ranging)
         if key in self.memo:
             return self.memo[key]
-        out = self._bound(e, ranging)
-        if not (out[0].replace(".", "").replace("-", "").isdigit()):
+        lo, hi, floor = self._bound(e, ranging)
+        if not _is_number(lo) and not _is_name(lo):
             n = len(self.lines)
-            self.lines.append(f"l{n} = {out[0]}; h{n} = {out[1]}")
-            out = (f"l{n}", f"h{n}")
-        self.memo[key] = out
-        return out
+            if lo == hi:
+                self.lines.append(f"p{n} = {lo}")
+                lo = hi = f"p{n}"
+            else:
+                self.lines.append(f"l{n} = {lo}; h{n} = {hi}")
+                lo, hi = f"l{n}", f"h{n}"
+        self.memo[key] = lo, hi, floor
+        return lo, hi, floor
 
-    def _bound(self, e: Expr, ranging: frozenset) -> tuple[str, str]:
+    def _bound(self, e: Expr, ranging: frozenset) -> tuple[str, str, float]:
         if isinstance(e, te.Const):
-            return repr(e.value), repr(e.value)
+            return repr(e.value), repr(e.value), e.value
         if isinstance(e, Var):
             if e in self.loop_vars:
-                return ("0", f"(X[{self.names[e]!r}] - 1)") if e in ranging else ("0", "0")
-            return f"e[{self.names[e]!r}]", f"e[{self.names[e]!r}]"
+                return ("0", f"(X[{self.names[e]!r}] - 1)", 0) if e in ranging else ("0", "0", 0)
+            name = self.names[e]
+            return f"e[{name!r}]", f"e[{name!r}]", self.floors.get(name, -math.inf)
         if isinstance(e, te.Cast):
-            return self.bound(e.value, ranging)
+            return self._signed(e.value, ranging)
         if isinstance(e, te.BinOp):
-            (al, ah), (bl, bh) = self.bound(e.a, ranging), self.bound(e.b, ranging)
+            (al, ah, af), (bl, bh, bf) = self._signed(e.a, ranging), self._signed(e.b, ranging)
+            if _is_number(al) and al == ah and _is_number(bl) and bl == bh and e.op in _FOLD:
+                value = repr(_FOLD[e.op](_number(al), _number(bl)))
+                return value, value, _number(value)
             if e.op == "add":
-                return f"({al} + {bl})", f"({ah} + {bh})"
+                return _join("+", al, bl), _join("+", ah, bh), af + bf
             if e.op == "sub":
-                return f"({al} - {bh})", f"({ah} - {bl})"
+                return _join("-", al, bh), _join("-", ah, bl), af - _number(bh) if _is_number(bh) else -math.inf
             if e.op == "mul":
-                c = f"({al} * {bl}), ({al} * {bh}), ({ah} * {bl}), ({ah} * {bh})"
-                return f"_min4({c})", f"_max4({c})"
+                return self._mul(al, ah, af, bl, bh, bf)
             if e.op == "floordiv":
-                return f"({al} // np.maximum({bh}, 1))", f"({ah} // np.maximum({bl}, 1))"
+                lo = "0" if al == "0" else f"({al} // np.maximum({bh}, 1))"
+                return lo, f"({ah} // np.maximum({bl}, 1))", 0 if af >= 0 else -math.inf
             if e.op == "floormod":
-                return f"_mod_lo({al}, {ah}, {bl})", f"_mod_hi({al}, {ah}, {bl}, {bh})"
+                return f"_mod_lo({al}, {ah}, {bl})", f"_mod_hi({al}, {ah}, {bl}, {bh})", 0
             if e.op in ("min", "max"):
                 f = "np.minimum" if e.op == "min" else "np.maximum"
-                return f"{f}({al}, {bl})", f"{f}({ah}, {bh})"
+                return f"{f}({al}, {bl})", f"{f}({ah}, {bh})", min(af, bf) if e.op == "min" else max(af, bf)
         if isinstance(e, te.Select):
-            (tl, th), (fl, fh) = self.bound(e.t, ranging), self.bound(e.f, ranging)
-            return f"np.minimum({tl}, {fl})", f"np.maximum({th}, {fh})"
-        return "0", "0"
+            (tl, th, tf), (fl, fh, ff) = self._signed(e.t, ranging), self._signed(e.f, ranging)
+            return f"np.minimum({tl}, {fl})", f"np.maximum({th}, {fh})", min(tf, ff)
+        return "0", "0", 0
+
+    @staticmethod
+    def _mul(al: str, ah: str, af: float, bl: str, bh: str, bf: float) -> tuple[str, str, float]:
+        if af >= 0 and bf >= 0:
+            return _join("*", al, bl), _join("*", ah, bh), af * bf
+        for (xl, xh, xf), c in (((al, ah, af), bl if bl == bh else None), ((bl, bh, bf), al if al == ah else None)):
+            if xf >= 0 and c is not None and _is_number(c):
+                # a non-negative interval times a negative constant (non-negative ones were handled above)
+                return _join("*", xh, c), _join("*", xl, c), -math.inf
+        c = f"({al} * {bl}), ({al} * {bh}), ({ah} * {bl}), ({ah} * {bh})"
+        return f"_min4({c})", f"_max4({c})", -math.inf
+
+
+_FOLD = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+         "floordiv": lambda a, b: a // max(b, 1), "min": min, "max": max}
+_NAME = re.compile(r"^(e|X)\['\w+'\]$")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _number(text: str) -> float:
+    value = float(text)
+    return int(value) if value.is_integer() and "." not in text and "e" not in text else value
+
+
+def _is_name(text: str) -> bool:
+    return bool(_NAME.match(text))
+
+
+def _join(op: str, a: str, b: str) -> str:
+    """`a op b` with the identities of 0 and 1 applied (most bounds start at 0)."""
+    if op == "+" and a == "0":
+        return b
+    if op in "+-" and b == "0":
+        return a
+    if op == "*" and (a == "0" or b == "0"):
+        return "0"
+    if op == "*" and a == "1":
+        return b
+    if op == "*" and b == "1":
+        return a
+    return f"({a} {op} {b})"
 
 
 def _min4(a, b, c, d):
@@ -358,6 +445,7 @@ class FeatureTemplate:
             return nests[name]
 
         self.stores: list[_Store] = []
+        free_vars = _FreeVars()
         for name in self.stage_names:
             st = by_name[name]
             loops = nest(name)
@@ -373,14 +461,14 @@ class FeatureTemplate:
             accesses = []
             out_idx = [vals[a] for a in st.op.axes]
             is_update = isinstance(body, te.Reduce)
-            accesses.append(_Access(name, [_linear(i, loop_vars) for i in out_idx], 2 if is_update else 1,
+            accesses.append(_Access(name, [_linear(i, loop_vars, free_vars) for i in out_idx], 2 if is_update else 1,
                                     _BYTES[st.op.dtype]))
             for buf, idx_list in reads.items():
                 if buf == name:
                     continue
                 dtype = by_name[buf].op.dtype if buf in by_name else "float32"
                 idx = idx_list[0]
-                accesses.append(_Access(buf, [_linear(i, loop_vars) for i in idx], 0, _BYTES[dtype]))
+                accesses.append(_Access(buf, [_linear(i, loop_vars, free_vars) for i in idx], 0, _BYTES[dtype]))
             ops = _count_ops(src)
             if is_update:
                 ops.float_addsub += 1 if te.is_float(st.op.dtype) and body.combiner == "sum" else 0
@@ -411,16 +499,21 @@ class FeatureTemplate:
         self._names = names
         self._exprs = exprs
         self._fn = _compile(exprs, names) if exprs else (lambda e: ())
-        self._atom_vars = {id(a): te.free_vars(a) for s in self.stores for acc in s.accesses for d in acc.dims
+        self._atom_vars = {id(a): free_vars(a) for s in self.stores for acc in s.accesses for d in acc.dims
                            for a in d.atoms}
         self._compile_atoms()
+        self._ext_rows = {v: r for r, v in enumerate(dict.fromkeys(v for st in self.stores for v, _, _ in st.loops))}
+        self._shape_rows = {key: r for r, key in enumerate(dict.fromkeys(
+            (acc.buffer, d) for st in self.stores for acc in st.accesses for d in range(len(acc.dims))))}
 
     def _compile_atoms(self) -> None:
         """One numpy function for every (non-linear index part, set of varying loops) the features
         need: the region inference of attached stages and the per-level touched regions."""
         loop_vars = {v for st in self.stores for v, _, _ in st.loops}
         self._loop_names = {v: f"x{k}" for k, v in enumerate(sorted(loop_vars, key=id))}
-        comp = _IntervalCompiler({**self._names, **self._loop_names}, loop_vars)
+        # split lengths (L..) and region sizes (R..) are at least 1, unroll depths (P..) at least 0
+        floors = {name: 1 if name[0] in "LR" else 0 for name in self._names.values()}
+        comp = _IntervalCompiler({**self._names, **self._loop_names}, loop_vars, floors)
         self._atom_index: dict = {}
         outputs: list[str] = []
 
@@ -498,7 +591,13 @@ class FeatureTemplate:
             vals = self._fn(env)
             W = self._atom_widths(env, vals, m)
         self._W = W
-        raw = np.stack([self._store_features(s, vals, env, m) for s in self.stores])   # [stores, 164, m]
+        ext = np.empty((len(self._ext_rows), m))          # every loop's extent, once for all stores
+        for v, row in self._ext_rows.items():
+            ext[row] = self._value(self.ext[v], vals)
+        shapes = np.empty((len(self._shape_rows), m))     # every buffer dimension's size
+        for (buf, d), row in self._shape_rows.items():
+            shapes[row] = self._shape_value(buf, d, env)
+        raw = np.stack([self._store_features(s, vals, env, ext, shapes, m) for s in self.stores])   # [stores, 164, m]
         logged = np.sign(raw) * np.log2(np.abs(raw) + 1)
         out = np.where(_ONEHOT[None, :, None], raw, logged)
         return out.transpose(2, 0, 1)
@@ -526,6 +625,10 @@ class FeatureTemplate:
                 "vthread": [i for i, a in enumerate(ann) if a == "vthread"],
                 "unroll": next((u for _, _, u in reversed(s.loops) if u is not None), None),
                 "accesses": []}
+        plan["loop_rows"] = np.array([self._ext_rows[v] for v, _, _ in s.loops], dtype=np.intp)
+        plan["shape_rows"] = [np.array([self._shape_rows[(acc.buffer, d)] for d in range(len(acc.dims))],
+                                       dtype=np.intp) for acc in s.accesses]
+        plan["alloc_rows"] = plan["shape_rows"][0] if s.accesses else None
         pos = {v: k for k, (v, _, _) in enumerate(s.loops)}
         for acc in s.accesses:
             dims = [([(pos[v], c) for v, c in lin.coef.items() if v in pos], lin) for lin in acc.dims]
@@ -547,12 +650,12 @@ class FeatureTemplate:
         s._plan = plan
         return plan
 
-    def _store_features(self, s: _Store, vals: tuple, env: dict, m: int) -> np.ndarray:
+    def _store_features(self, s: _Store, vals: tuple, env: dict, ext: np.ndarray, all_shapes: np.ndarray,
+                        m: int) -> np.ndarray:
         plan = self._plan(s)
         n = len(s.loops)
         out = np.zeros((N_FEATURES, m))
-        E = np.array([np.broadcast_to(np.asarray(self._value(self.ext[v], vals), dtype=np.float64), (m,))
-                      for v, _, _ in s.loops]).reshape(n, m)
+        E = ext[plan["loop_rows"]]                                  # [n, m]
         outer = E.prod(axis=0) if n else np.ones(m)
         out[0:16] = np.asarray(s.ops.vector(), dtype=np.float64)[:, None] * outer
         row = 16
@@ -572,16 +675,18 @@ class FeatureTemplate:
         out[row + 7] = E[plan["vthread"]].prod(axis=0) if plan["vthread"] else 1.0
         # ---- buffer accesses: touched elements at every level (loops i.. vary), i = 0..n
         touched, region0, shapes = [], [], []
-        for acc, (dims, _, _) in zip(s.accesses, plan["accesses"]):
-            shape = [np.broadcast_to(np.asarray(self._shape_value(acc.buffer, d, env), dtype=np.float64), (m,))
-                     for d in range(len(acc.dims))]
-            shapes.append(shape)
+        for acc, (dims, _, _), rows in zip(s.accesses, plan["accesses"], plan["shape_rows"]):
+            shapes.append(all_shapes[rows])
             t = np.ones((n + 1, m))
             r0 = []
             for terms, lin in dims:
                 contrib = np.zeros((n + 1, m))
-                for k, c in terms:
-                    contrib[k] = np.abs(self._value(c, vals)) * (E[k] - 1)
+                if terms:
+                    ks = [k for k, _ in terms]
+                    coef = np.empty((len(terms), m))
+                    for j, (_, c) in enumerate(terms):
+                        coef[j] = self._value(c, vals)
+                    contrib[ks] = np.abs(coef) * (E[ks] - 1)
                 span = np.cumsum(contrib[::-1], axis=0)[::-1]
                 if lin.atoms:
                     span = span + self._atom_suffix(lin, s.loops, m)
@@ -636,12 +741,11 @@ class FeatureTemplate:
         cur = s.ops.float_ops
         if cur > 0 and n:
             ops = cur * np.cumprod(E[::-1], axis=0)                     # innermost first
-            out[base:base + CURVE_N] = self._curve(list(ops), list(mem[n - 1::-1][:n]), cur, m)
+            out[base:base + CURVE_N] = self._curve(ops, mem[n - 1::-1][:n], cur, m)
         base += CURVE_N
         if s.alloc:
             acc0 = s.accesses[0]
-            elems = np.prod([np.broadcast_to(np.asarray(self._shape_value(s.stage, d, env), dtype=np.float64), (m,))
-                             for d in range(len(acc0.dims))], axis=0)
+            elems = all_shapes[plan["alloc_rows"]].prod(axis=0)
             alloc_outer = E[:s.n_enclosing].prod(axis=0) if s.n_enclosing else np.ones(m)
             out[base], out[base + 1], out[base + 2], out[base + 3] = (elems * acc0.ele_bytes, elems * alloc_outer,
                                                                      alloc_outer, outer / alloc_outer)
@@ -681,25 +785,22 @@ class FeatureTemplate:
         return out.reshape(MAX_N_BUFS * 18, m)
 
     @staticmethod
-    def _curve(compute_ops: list, mem_list: list, cur_ops: float, m: int) -> list:
-        if cur_ops <= 0 or not compute_ops:
-            return [np.zeros(m)] * CURVE_N
-        ops = np.stack(compute_ops)                   # [n, m], increasing
-        mem = np.maximum(np.stack(mem_list), 1e-9)
-        ratio = ops / mem
-        out = []
-        for k in range(CURVE_N):
-            x = ops[-1] * (k + 1) / CURVE_N
-            pt = np.argmax(ops >= x[None, :] - 1e-4, axis=0)
-            prev = np.maximum(pt - 1, 0)
-            cols = np.arange(m)
-            base = ratio[prev, cols]
-            denom = ops[pt, cols] - ops[prev, cols]
-            slope = np.where(denom != 0, (ratio[pt, cols] - base) / np.where(denom != 0, denom, 1), 0)
-            val = np.where(pt == 0, ratio[0, cols], base + slope * (x - ops[prev, cols]))
-            out.append(val)
-        return out
+    def _curve(ops: np.ndarray, mem: np.ndarray, cur_ops: float, m: int) -> np.ndarray:
+        """Arithmetic intensity (ops / bytes) interpolated at CURVE_N evenly spaced op counts: [CURVE_N, m].
 
+        `ops`, `mem`: [n, m], innermost loop level first (ops increasing)."""
+        if cur_ops <= 0 or not len(ops):
+            return np.zeros((CURVE_N, m))
+        ratio = ops / np.maximum(mem, 1e-9)
+        x = ops[-1] * (np.arange(1, CURVE_N + 1)[:, None] / CURVE_N)             # [CURVE_N, m]
+        pt = np.argmax(ops[:, None, :] >= x[None] - 1e-4, axis=0)                 # [CURVE_N, m]
+        prev = np.maximum(pt - 1, 0)
+        at = lambda a, rows: np.take_along_axis(a, rows, axis=0)  # noqa: E731
+        base, ops_prev = at(ratio, prev), at(ops, prev)
+        denom = at(ops, pt) - ops_prev
+        safe = np.where(denom != 0, denom, 1)
+        slope = np.where(denom != 0, (at(ratio, pt) - base) / safe, 0)
+        return np.where(pt == 0, ratio[0], base + slope * (x - ops_prev))
 
 
 def _onehot_mask() -> np.ndarray:
@@ -729,9 +830,9 @@ class FeatureExtractor:
         self.templates: dict[str, FeatureTemplate] = {}
         self.max_templates = max_templates
 
-    def template(self, state) -> FeatureTemplate:
+    def template(self, state, key: str | None = None) -> FeatureTemplate:
         """`state`: a State, or anything with `.steps` and a lazily replayed `.state` (a Candidate)."""
-        key = getattr(state, "structure", None) or structure_key(state)
+        key = key or getattr(state, "structure", None) or structure_key(state)
         tpl = self.templates.get(key)
         if tpl is None:
             if len(self.templates) >= self.max_templates:
@@ -739,8 +840,9 @@ class FeatureExtractor:
             tpl = self.templates[key] = FeatureTemplate(getattr(state, "state", state), self.task)
         return tpl
 
-    def __call__(self, states: list[State]) -> list[np.ndarray]:
-        """One [n_stores, 164] matrix per state."""
+    @staticmethod
+    def groups(states: list) -> dict[str, list[int]]:
+        """Positions of `states` by structure key (kept on Candidates for the next call)."""
         groups: dict[str, list[int]] = {}
         for i, s in enumerate(states):
             key = getattr(s, "structure", None)
@@ -749,12 +851,24 @@ class FeatureExtractor:
                 if hasattr(s, "structure"):
                     s.structure = key
             groups.setdefault(key, []).append(i)
+        return groups
+
+    @staticmethod
+    def numbers(states: list, idx: list[int]) -> np.ndarray:
+        """The open numbers of states[idx] (one structure): [len(idx), slots]."""
+        slots = _slots(states[idx[0]])
+        return np.array([state_numbers(states[i], slots) for i in idx], dtype=np.int64).reshape(len(idx), len(slots))
+
+    def evaluate(self, key: str, representative, numbers: np.ndarray) -> np.ndarray:
+        """Features [m, n_stores, 164] of the m programs of one structure (`representative` is one of
+        them; it is replayed only if the structure has no template yet)."""
+        return self.template(representative, key)(numbers)
+
+    def __call__(self, states: list) -> list[np.ndarray]:
+        """One [n_stores, 164] matrix per state."""
         out: list[np.ndarray | None] = [None] * len(states)
-        for idx in groups.values():
-            tpl = self.template(states[idx[0]])
-            nums = np.array([state_numbers(states[i], tpl.slots) for i in idx], dtype=np.int64).reshape(
-                len(idx), len(tpl.slots))
-            feats = tpl(nums)
+        for key, idx in self.groups(states).items():
+            feats = self.evaluate(key, states[idx[0]], self.numbers(states, idx))
             for j, i in enumerate(idx):
                 out[i] = feats[j]
         return out  # type: ignore[return-value]
