@@ -17,6 +17,7 @@ import numpy as np
 
 from search.candidate import Candidate
 from search.cost_model import CostModel, RandomModel, XGBModel
+from search.feature_pool import Featurizer
 from search.state import IllegalStep, State
 from storage.models import ModelStore
 from storage.records import RecordStore
@@ -31,6 +32,7 @@ class NewestModel(CostModel):
     def __init__(self, seed: int = 0):
         self.model: CostModel = RandomModel(seed)
         self.version = ""
+        self.features = Featurizer()   # every version's features: templates outlive the models
 
     def use(self, model: CostModel, version: str) -> None:
         self.model, self.version = model, version
@@ -61,10 +63,11 @@ class RetrainReport:
 class Trainer:
     """Collects the training data of a set of tasks on one target from the record store."""
 
-    def __init__(self, tasks: Sequence[SearchTask], target: str, warmup: int = 100, seed: int = 0):
+    def __init__(self, tasks: Sequence[SearchTask], target: str, warmup: int = 100, seed: int = 0,
+                 features: Featurizer | None = None):
         self.tasks = {t.workload_key: t for t in tasks}
         self.target, self.warmup = target, warmup
-        self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed)
+        self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed, features=features)
         self.seen: set[tuple[str, str]] = set()
 
     def read_new(self, records: RecordStore) -> int:
@@ -95,7 +98,7 @@ def load_newest(models: ModelStore, target: str, holder: NewestModel) -> str:
     if found is None:
         return ""
     blob, meta = found
-    holder.use(XGBModel.load_bytes(blob), meta["version"])
+    holder.use(XGBModel.load_bytes(blob, features=holder.features), meta["version"])
     return meta["version"]
 
 
@@ -118,5 +121,5 @@ def retrain(trainer: Trainer, records: RecordStore, models: ModelStore, holder: 
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.as_dict().items()}
     blob = trainer.xgb.save_bytes()
     version = models.save(trainer.target, blob, clean, record_count=n, kind=MODEL_KIND)
-    holder.use(XGBModel.load_bytes(blob), version)      # exactly the stored bytes
+    holder.use(XGBModel.load_bytes(blob, features=holder.features), version)      # exactly the stored bytes
     return RetrainReport(True, version, n, new, "trained", clean, time.perf_counter() - t0)

@@ -52,7 +52,7 @@ class Session:
         self.policies = [SketchPolicy(t, self.model, params, seed=seed + i, seeds=s)
                          for i, (t, s) in enumerate(zip(tasks, seeds))]
         self.sched = TaskScheduler(tasks, strategy=strategy, seed=seed)
-        self.trainer = Trainer(tasks, self.target, warmup, seed)
+        self.trainer = Trainer(tasks, self.target, warmup, seed, self.model.features)
         n = len(tasks)
         self.trials_run, self.trials_before = [0] * n, [0] * n
         self.before = [math.inf] * n                 # best latency stored before this run

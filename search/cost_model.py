@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from search.feature import N_FEATURES, FeatureExtractor
+from search.feature import N_FEATURES
+from search.feature_pool import Featurizer
 from search.state import State
 from tasks.search_task import SearchTask
 
@@ -87,11 +88,11 @@ class XGBModel(CostModel):
     """The learned model. Data is kept per task; `fit` retrains from everything it has seen."""
 
     def __init__(self, num_warmup_sample: int = 100, seed: int = 0, holdout: float = 0.2, k: int = 10,
-                 max_rounds: int = 400, early_stopping: int = 50):
+                 max_rounds: int = 400, early_stopping: int = 50, features: Featurizer | None = None):
         self.num_warmup_sample, self.seed, self.holdout, self.k = num_warmup_sample, seed, holdout, k
         self.max_rounds, self.early_stopping = max_rounds, early_stopping
         self.booster = None
-        self.extractors: dict[str, FeatureExtractor] = {}
+        self.features = features or Featurizer()    # pass one in to share templates across versions
         self.data: dict[str, list[tuple[np.ndarray, float]]] = {}   # workload key -> [(features, throughput)]
         self.metrics: TrainingMetrics | None = None
         self.version = 0
@@ -99,14 +100,8 @@ class XGBModel(CostModel):
 
     # ------------------------------------------------------------------ data
 
-    def extractor(self, task: SearchTask) -> FeatureExtractor:
-        ex = self.extractors.get(task.workload_key)
-        if ex is None:
-            ex = self.extractors[task.workload_key] = FeatureExtractor(task)
-        return ex
-
     def add(self, task: SearchTask, states: list[State], costs: list[float]) -> None:
-        feats = self.extractor(task)(states)
+        feats = self.features(task, states)
         rows = self.data.setdefault(task.workload_key, [])
         for f, c in zip(feats, costs):
             thr = task.flops / c if c and math.isfinite(c) and c > 0 else 0.0
@@ -203,7 +198,7 @@ class XGBModel(CostModel):
     def predict(self, task, states):
         if self.booster is None or self.n_programs < self.num_warmup_sample:
             return self._fallback.predict(task, states)
-        return self.predict_features(self.extractor(task)(states))
+        return self.predict_features(self.features(task, states))
 
     def predict_features(self, feats: list[np.ndarray]) -> np.ndarray:
         return self._predict_rows(self.booster, feats)

@@ -1,0 +1,100 @@
+"""Features computed by helper processes are exactly those computed in-process, and a helper that
+dies (or a parent that dies) costs nothing but time."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from codegen.target import make_task
+from search.feature import FeatureExtractor
+from search.feature_pool import Featurizer
+from search.sketch_policy import SketchPolicy
+from tasks.workload_registry import make_dag
+
+
+@pytest.fixture(scope="module")
+def population():
+    task = make_task(make_dag("conv2d_relu", 1, 14, 14, 16, 16, 3, 3, 1, 1))
+    return task, SketchPolicy(task, seed=3).sample(400)
+
+
+def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x.astype(np.float32), y.astype(np.float32))
+                                    for x, y in zip(a, b))
+
+
+def _helper_pids(featurizer: Featurizer) -> list[int]:
+    return [pid for ex in featurizer._executors if ex is not None for pid in ex._processes]
+
+
+def test_helpers_compute_the_same_features(population):
+    task, programs = population
+    expected = FeatureExtractor(task)(programs)
+    featurizer = Featurizer(processes=1, min_batch=1)
+    try:
+        assert _same(featurizer(task, programs), expected)
+        assert _helper_pids(featurizer), "the helper process was not used"
+        assert _same(featurizer(task, programs), expected)        # warm templates on both sides
+    finally:
+        featurizer.close()
+
+
+def test_a_killed_helper_costs_nothing(population):
+    task, programs = population
+    expected = FeatureExtractor(task)(programs)
+    featurizer = Featurizer(processes=1, min_batch=1)
+    try:
+        featurizer(task, programs)
+        (pid,) = _helper_pids(featurizer)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+        assert _same(featurizer(task, programs), expected)       # its share is computed here
+        assert _same(featurizer(task, programs), expected)       # and a fresh helper takes over
+        assert _helper_pids(featurizer) and pid not in _helper_pids(featurizer)
+    finally:
+        featurizer.close()
+
+
+def test_helpers_exit_with_a_killed_parent(tmp_path):
+    script = textwrap.dedent("""
+        import sys, time
+        from codegen.target import make_task
+        from search.feature_pool import Featurizer
+        from search.sketch_policy import SketchPolicy
+        from tasks.workload_registry import make_dag
+        if __name__ == "__main__":
+            task = make_task(make_dag("matmul", 64, 64, 64))
+            f = Featurizer(processes=1, min_batch=1)
+            f(task, SketchPolicy(task, seed=0).sample(64))
+            print(*[p for ex in f._executors for p in ex._processes], flush=True)
+            time.sleep(600)
+    """)
+    path = tmp_path / "parent.py"
+    path.write_text(script)
+    parent = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        helpers = [int(p) for p in parent.stdout.readline().split()]
+        assert helpers
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(p) for p in helpers):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in helpers), "a helper outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
