@@ -130,9 +130,13 @@ class TaskScheduler:
     def gradient(self, i: int) -> float:
         costs = list(self.best_costs)
         delta = 1e-4 * max(costs[i], 1e-12)
-        bumped = list(costs)
+        # d objective / d cost_i, numerically. Tasks without a valid program cost INF_COST (1e10); next to
+        # that a microsecond change is below float precision and every chain became 0 (a random choice),
+        # so they count as 0 here: they are dead and the others' relative worth is what matters.
+        finite = [c if c < INF_COST or j == i else 0.0 for j, c in enumerate(costs)]
+        bumped = list(finite)
         bumped[i] -= delta
-        chain = (self.score(costs) - self.score(bumped)) / delta
+        chain = (self.score(finite) - self.score(bumped)) / delta
         r, w = self.task_rounds[i], self.backward_window
         hist = self.history[i]
         backward = (hist[r - 1] - hist[r - 1 - w]) / w if r - 1 < len(hist) and r - 1 - w >= 0 else 0.0

@@ -24,23 +24,53 @@ def _feed(s: TaskScheduler, i: int, costs: list[float]) -> None:
 
 
 def test_gradient_follows_the_formula(tasks):
+    # Ansor §6 / TVM: dg = chain * (alpha * backward + (1 - alpha) * (min(g1, g2) - cost)), with
+    # backward = (h[r-1] - h[r-1-w]) / w, g1 = cost - cost / r, g2 = beta * flops / (best GFLOP/s of the
+    # similar tasks). Worked by hand for this history (microseconds; alpha 0.2, beta 2, window 3):
     s = TaskScheduler(tasks, strategy="gradient", eps_greedy=0.0)
-    _feed(s, 0, [10e-6, 8e-6, 6e-6, 5e-6])          # still improving
-    _feed(s, 1, [40e-6, 40e-6, 40e-6, 40e-6])       # stalled, but similar to task 0 and slower per FLOP
-    _feed(s, 2, [3e-6, 3e-6, 3e-6, 3e-6])           # stalled, cheap
-    for i in range(3):
-        costs = s.best_costs
-        r = s.task_rounds[i]
-        chain = s.weights[i]                        # d(weighted sum)/d g_i
-        backward = (s.history[i][r - 1] - s.history[i][r - 1 - 3]) / 3
-        g1 = costs[i] - costs[i] / r
-        group = [j for j in range(3) if similarity_tag(tasks[j]) == similarity_tag(tasks[i])]
-        g2 = 2 * tasks[i].flops / max(tasks[j].flops / costs[j] for j in group) if len(group) > 1 else 2e30
-        expect = chain * (0.2 * backward + 0.8 * (min(g1, g2) - costs[i]))
-        assert s.gradient(i) == pytest.approx(expect, rel=1e-3)
-    grads = [s.gradient(i) for i in range(3)]
-    assert s.next_task() == min(range(3), key=grads.__getitem__)
+    _feed(s, 0, [10e-6, 8e-6, 6e-6, 5e-6])   # 524288 FLOP at 5 us: 1.048576e11 FLOP/s, the group's best
+    _feed(s, 1, [40e-6] * 4)                 # 1048576 FLOP, similar to task 0, stalled
+    _feed(s, 2, [3e-6] * 4)                  # softmax: no similar task, stalled
+    # task 0: backward (5-10)/3, g1 = 5 - 5/4 = 3.75, g2 = 2*524288/1.048576e11 = 10 -> 3.75; weight 2
+    assert s.gradient(0) == pytest.approx(2 * (0.2 * (-5 / 3) + 0.8 * (3.75 - 5)) * 1e-6, rel=1e-3)
+    # task 1: backward 0, g1 = 40 - 10 = 30, g2 = 2*1048576/1.048576e11 = 20 -> 20; weight 1
+    assert s.gradient(1) == pytest.approx(0.8 * (20 - 40) * 1e-6, rel=1e-3)
+    # task 2: backward 0, g1 = 3 - 0.75 = 2.25, no g2
+    assert s.gradient(2) == pytest.approx(0.8 * (2.25 - 3) * 1e-6, rel=1e-3)
+    assert s.next_task() == 1 and s.decisions[-1][1].startswith("gradient")
     assert similarity_tag(tasks[0]) == similarity_tag(tasks[1]) != similarity_tag(tasks[2])
+
+
+def test_eps_greedy_picks_live_tasks_at_random(tasks):
+    s = TaskScheduler(tasks, eps_greedy=1.0, seed=3)
+    for i in range(3):
+        _feed(s, i, [1e-5])
+    s.record(1, [], exhausted=True)
+    picks = [s.next_task() for _ in range(200)]
+    assert set(picks) == {0, 2}
+    assert all(why == "eps-greedy" for _, why in s.decisions[-200:])
+    assert 60 < picks.count(0) < 140
+
+
+def test_a_user_objective_drives_the_choice(tasks):
+    # Only task 2's latency counts: the chain factor of the others is zero, so task 2 gets the round
+    # even though task 1 would gain far more under the weighted sum.
+    s = TaskScheduler(tasks, objective=lambda costs: costs[2], eps_greedy=0.0)
+    _feed(s, 0, [10e-6, 8e-6, 6e-6, 5e-6])
+    _feed(s, 1, [40e-6] * 4)
+    _feed(s, 2, [3e-6] * 4)
+    assert s.gradient(0) == pytest.approx(0.0, abs=1e-15) and s.gradient(1) == pytest.approx(0.0, abs=1e-15)
+    assert s.next_task() == 2
+
+
+def test_a_task_far_slower_than_its_group_leaves_it(tasks):
+    # (task 2 never ran, so it costs INF_COST: the gradients of the others must not drown in it)
+    s = TaskScheduler(tasks, eps_greedy=0.0)
+    _feed(s, 0, [5e-6] * 2)                   # 1.05e11 FLOP/s
+    _feed(s, 1, [40e-6] * 8)                  # 2.6e10: below best / beta, and 8 > 5 + 2 rounds
+    assert s.tags[1] != s.tags[0] and s.groups[s.tags[0]] == [0]
+    # without the group its forward estimate is g1 alone: (40 - 40/8) - 40 = -5; backward is 0
+    assert s.gradient(1) == pytest.approx(0.8 * -5 * 1e-6, rel=1e-3)
 
 
 def test_round_robin_and_dead_tasks(tasks):
@@ -77,3 +107,15 @@ def test_objectives(tasks):
 def test_bad_strategy_is_named(tasks):
     with pytest.raises(ValueError, match="unknown strategy 'greedy'"):
         TaskScheduler(tasks, strategy="greedy")
+
+
+def test_a_task_without_a_valid_program_does_not_blind_the_gradient(tasks):
+    s = TaskScheduler(tasks, eps_greedy=0.0)
+    _feed(s, 0, [10e-6, 8e-6, 6e-6, 5e-6])
+    _feed(s, 1, [40e-6] * 4)
+    s.record(2, [math.inf])                      # no valid program: INF_COST, dead after warm-up
+    s.after_warmup()
+    assert s.dead == {2}
+    assert s.gradient(0) == pytest.approx(2 * (0.2 * (-5 / 3) + 0.8 * (3.75 - 5)) * 1e-6, rel=1e-3)
+    assert s.gradient(1) == pytest.approx(0.8 * (20 - 40) * 1e-6, rel=1e-3)
+    assert s.next_task() == 1 and s.decisions[-1][1].startswith("gradient")
