@@ -78,7 +78,11 @@ def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[
               warm: bool = False, cutoff_s: float | None = None) -> list[float]:
     """TVM's time_evaluator: warm up, pick `number` so one repeat lasts >= min_repeat_ms, time `repeat`
     repeats. A kernel whose single run already lasts min_repeat_ms runs once per repeat, and one slower
-    than `cutoff_s` is not timed further (slow candidates should not cost the tuner seconds each)."""
+    than `cutoff_s` is not timed further (slow candidates should not cost the tuner seconds each).
+
+    With `flush_cache`, the cache is flushed before every timed run and a repeat is the mean of `number`
+    cold runs (min_repeat_ms does not apply). TVM flushes once per repeat, so only the first of its
+    `number` runs is cold unless number=1, which its docs recommend; here every run is cold."""
     if not warm:
         for _ in range(cfg.warmup):
             run_n(1)

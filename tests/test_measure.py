@@ -109,3 +109,53 @@ def test_slow_kernels_run_once_per_repeat():
         time.sleep(0.02 * n)
     costs = time_runs(run, TimingConfig(number=3, repeat=2, min_repeat_ms=10.0), warm=True)
     assert calls == [1, 1, 1] and len(costs) == 2 and all(c >= 0.02 for c in costs)
+
+
+def _huge(task) -> str:
+    """Every loop unrolled: millions of statements, a build that takes far longer than any timeout here."""
+    return State(task.dag).unroll("C", 0).unroll("C", 1).unroll("C", 2).steps_json()
+
+
+def test_a_build_timeout_costs_one_result():
+    task = make_task(make_dag("matmul", 128, 128, 128))
+    builder = LocalBuilder(n_parallel=1, timeout=2.0)
+    try:
+        slow, fine = builder.build(task, [_huge(task), State(task.dag).steps_json()])
+        assert slow.error_code == ErrorCode.BUILD_TIMEOUT and slow.artifact is None
+        assert fine.error_code == ErrorCode.NO_ERROR and fine.artifact is not None
+        assert builder.pool.restarts == 1
+    finally:
+        builder.close()
+
+
+def test_a_builder_killed_mid_build_costs_one_result():
+    import os
+    import signal
+    import threading
+    task = make_task(make_dag("matmul", 128, 128, 128))
+    builder = LocalBuilder(n_parallel=1, timeout=60.0)
+    try:
+        (pid,) = builder.pool.pids()
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        killed, fine = builder.build(task, [_huge(task), State(task.dag).steps_json()])
+        assert killed.error_code == ErrorCode.COMPILE_HOST and "SIGKILL" in killed.error_msg
+        assert fine.error_code == ErrorCode.NO_ERROR
+        assert builder.pool.pids() != [pid]
+    finally:
+        builder.close()
+
+
+def test_cache_flush_comes_before_every_timed_run():
+    events = []
+    costs = time_runs(lambda n: events.append(("run", n)), TimingConfig(number=2, repeat=3, flush_cache=True),
+                      flush=lambda: events.append(("flush",)), warm=True)
+    assert len(costs) == 3
+    assert events == [("flush",), ("run", 1)] * 6
+
+
+def test_a_runner_with_cache_flush_times_correct_kernels(task):
+    good = State(task.dag).split("C", 1, [16]).vectorize("C", 2)
+    with ProgramMeasurer(LocalBuilder(n_parallel=1),
+                         LocalRunner(config=TimingConfig(number=2, repeat=2, flush_cache=True))) as m:
+        (res,) = m.measure(task, [good.steps_json()])
+    assert res.error_code == ErrorCode.NO_ERROR and len(res.costs) == 2 and all(c > 0 for c in res.costs)
