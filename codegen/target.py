@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shlex
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from tasks.compute_dag import ComputeDAG
 from tasks.search_task import HardwareParams, SearchTask
@@ -47,7 +48,8 @@ def _cpu_count() -> int:
 
 
 def parse_target(text: str | Target = "llvm") -> Target:
-    """'llvm' (this host), 'llvm -mcpu=znver4 -mattr=+avx2', 'cuda', 'cuda -arch=sm_90'."""
+    """'llvm' (this host), 'llvm -mcpu=znver4 -mattr=+avx2', 'cuda' (this machine's GPU when there is
+    one, else sm_90), 'cuda -arch=sm_90 [-max-threads=N -max-shared-memory=B -warp-size=W -num-sms=S]'."""
     if isinstance(text, Target):
         return text
     try:
@@ -64,6 +66,8 @@ def parse_target(text: str | Target = "llvm") -> Target:
         return Target("llvm", cpu, features, options=tuple(sorted(opts.items())),
                       hardware=HardwareParams(num_cores=cores, vector_unit_bytes=vec))
     if kind == "cuda":
+        if not opts and (local := _local_gpu()) is not None:
+            return local                         # bare "cuda": this machine's GPU, with its own limits
         arch = opts.get("arch", "sm_90")
         if not arch.startswith("sm_") or not arch[3:].isdigit():
             raise TargetError(f"cuda target needs -arch=sm_XY (e.g. sm_90), got {arch!r}")
@@ -75,6 +79,21 @@ def parse_target(text: str | Target = "llvm") -> Target:
             warp_size=int(opts.get("warp-size", 32)))
         return Target("cuda", arch=arch, options=tuple(sorted(opts.items())), hardware=hw)
     raise TargetError(f"unknown target {kind!r} in {text!r}; use 'llvm' (the host CPU) or 'cuda -arch=sm_XY'")
+
+
+@lru_cache(maxsize=1)
+def _local_gpu() -> Target | None:
+    """The first GPU of this machine as a target (arch and limits read from the driver), if pycuda finds
+    one; without one a bare "cuda" means sm_90 with the usual limits."""
+    try:
+        from codegen.cuda_backend import device_hardware_params
+        arch, hw = device_hardware_params(0)
+    except Exception:  # noqa: BLE001 - no pycuda, no driver or no GPU: the string's defaults stand
+        return None
+    options = (("arch", arch), ("max-shared-memory", str(hw.max_shared_memory_per_block)),
+               ("max-threads", str(hw.max_threads_per_block)), ("num-sms", str(hw.num_cores)),
+               ("warp-size", str(hw.warp_size)))
+    return Target("cuda", arch=arch, options=options, hardware=hw)
 
 
 def make_task(dag: ComputeDAG, target: str | Target = "llvm", name: str = "", weight: int = 1) -> SearchTask:

@@ -57,6 +57,7 @@ class RoundTiming:
     predict_s: float = 0.0
     n_init: int = 0
     n_evaluated: int = 0
+    n_over_limits: int = 0          # GPU programs left out for exceeding the target's limits
 
 
 class SketchPolicy:
@@ -72,7 +73,8 @@ class SketchPolicy:
             raise ValueError(f"no sketch could be generated for {task}")
         self.measured: dict[StepsKey, float] = {}        # program key -> throughput (GFLOP/s), 0 if failed
         self.measured_cands: dict[StepsKey, Candidate] = {}
-        self.best: tuple[float, Candidate] | None = None
+        self.best: tuple[float, Candidate] | None = None     # (GFLOP/s, program) of the fastest measured
+        self.best_cost = math.inf                              # ... and its seconds per run, as measured
         self.timing = RoundTiming()
         # programs to measure first (e.g. a runtime's default schedule), so tuning never ends worse
         self.seeds = [Candidate.of(s) for s in seeds or []]
@@ -205,30 +207,40 @@ class SketchPolicy:
         for c in best:
             if len(picked) >= n - n_random:
                 break
-            picked.setdefault(c.key, c)
+            if self._runnable(c):
+                picked.setdefault(c.key, c)
         for c in randoms + best:
             if len(picked) >= n:
                 break
-            picked.setdefault(c.key, c)
+            if self._runnable(c):
+                picked.setdefault(c.key, c)
         return list(picked.values())
+
+    def _runnable(self, c: Candidate) -> bool:
+        """False for a GPU program over the target's limits (threads, vthreads, shared memory): tile-size
+        mutations and crossover can cross them, and measuring it would only waste a trial."""
+        if not self.is_gpu:
+            return True
+        from search.gpu_annotation import check_gpu_limits
+        why = check_gpu_limits(c.state, self.task.hardware)
+        if why is not None:
+            self.timing.n_over_limits += 1
+        return why is None
 
     def update(self, cands: list[Candidate], costs: list[float]) -> None:
         """Record measurements (seconds per run; inf for failures) and retrain the cost model."""
-        states = []
         for c, cost in zip(cands, costs):
-            gflops = self.task.flops / cost / 1e9 if cost and math.isfinite(cost) and cost > 0 else 0.0
-            self.measured[c.key] = gflops
-            self.measured_cands[c.key] = c
-            states.append(c)
-            if gflops > 0 and (self.best is None or gflops > self.best[0]):
-                self.best = (gflops, c)
-        self.model.update(self.task, states, list(costs))
+            self._note(c, cost)
+        self.model.update(self.task, list(cands), list(costs))
 
     def preload(self, cands: list[Candidate], costs: list[float]) -> None:
         """Resume: measurements from the history count as measured (and seed the population)."""
         for c, cost in zip(cands, costs):
-            gflops = self.task.flops / cost / 1e9 if cost and math.isfinite(cost) and cost > 0 else 0.0
-            self.measured[c.key] = gflops
-            self.measured_cands[c.key] = c
-            if gflops > 0 and (self.best is None or gflops > self.best[0]):
-                self.best = (gflops, c)
+            self._note(c, cost)
+
+    def _note(self, c: Candidate, cost: float) -> None:
+        gflops = self.task.flops / cost / 1e9 if cost and math.isfinite(cost) and cost > 0 else 0.0
+        self.measured[c.key] = gflops
+        self.measured_cands[c.key] = c
+        if gflops > 0 and (self.best is None or gflops > self.best[0]):
+            self.best, self.best_cost = (gflops, c), cost

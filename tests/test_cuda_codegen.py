@@ -155,3 +155,41 @@ def test_multi_stage_programs_split_into_kernels_with_global_temporaries():
     assert len(mod.kernels) == 3
     assert {t[0] for t in mod.temps} == {"T_softmax_maxelem", "T_softmax_expsum"}
     assert mod.kernels[0].writes == ("T_softmax_maxelem",)
+
+
+def test_programs_over_the_gpu_limits_are_never_proposed():
+    # Tile-size mutations of valid programs often cross a tight thread limit; next_batch leaves them out
+    # (they would only cost a trial each as build errors).
+    from search.gpu_annotation import check_gpu_limits
+    from search.sketch_policy import SearchParams, SketchPolicy
+    task = make_task(make_dag("matmul", 256, 256, 256), "cuda -arch=sm_90 -max-threads=128")
+    policy = SketchPolicy(task, params=SearchParams(population=256, sample_init_population=128, num_iters=2),
+                          seed=0)
+    batch = policy.next_batch(32)
+    assert batch
+    assert all(check_gpu_limits(c.state, task.hardware) is None for c in batch)
+    assert policy.timing.n_over_limits > 0, "no mutant crossed the limit: the test shows nothing"
+
+
+def test_gpu_features_match_the_launch_configuration():
+    # The GPU part of the 164 features (is_gpu, blockIdx/threadIdx/vthread lengths) of the output
+    # stage's row equals what the CUDA generator makes of the same program: its kernel's grid and block.
+    import math
+
+    from codegen.cuda_backend import generate
+    from search.feature import FeatureExtractor, feature_names
+    from search.sketch_policy import SketchPolicy
+    names = feature_names()
+    task = make_task(make_dag("matmul", 256, 256, 256), TARGET)
+    programs = SketchPolicy(task, seed=5).sample(6)
+    assert programs
+    for program, rows in zip(programs, FeatureExtractor(task)(programs)):
+        state = program.state
+        out_row = rows[[s.name for s in state.stages if not s.is_placeholder
+                        and s.compute_at != "inline"].index("C")]
+        (kernel,) = [k for k in generate(state).kernels if "C" in k.writes]
+        assert out_row[names.index("is_gpu")] == 1.0
+        for axis, size in (("blockIdx_x_len", kernel.grid[0]), ("threadIdx_x_len", kernel.block[0]),
+                           ("blockIdx_y_len", kernel.grid[1]), ("threadIdx_y_len", kernel.block[1])):
+            assert out_row[names.index(axis)] == pytest.approx(math.log2(1 + size)), (axis, state.steps_json())
+        assert out_row[names.index("vthread_len")] == pytest.approx(math.log2(1 + kernel.vthreads))

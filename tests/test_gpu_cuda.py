@@ -134,6 +134,8 @@ def test_hardware_params_come_from_the_device():
     assert hw.max_shared_memory_per_block >= 48 * 1024 and hw.num_cores > 0
     task = make_task(make_dag("matmul", 64, 64, 64), device_target())
     assert task.hardware.num_cores == hw.num_cores and task.target == f"cuda -arch={arch}"
+    bare = make_task(make_dag("matmul", 64, 64, 64), "cuda")      # a bare "cuda" is this GPU
+    assert bare.hardware == hw and bare.target == f"cuda -arch={arch}"
 
 
 def test_measurer_and_tuning_find_a_correct_kernel():
