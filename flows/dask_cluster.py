@@ -3,7 +3,8 @@
 The flow holds a plain `distributed.Client` (Prefect task runs stay in the flow process; see
 docs/architecture.md §7). Workers advertise resources: `measure-cpu=1` on CPU measure nodes (one timing
 at a time per node) and `GPU=1` on GPU nodes; a task's measurements only go to workers holding its
-resource, so a cluster without one is an error named before any work is submitted.
+resource, so a cluster without one is an error named before any work is submitted. CUDA builds need
+nvcc, so they go only to workers advertising `nvcc=N` (N builds at once; GPU images have it).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ CLUSTER_ENV = "TENSORTUNE_CLUSTER"          # the address to join when no --clus
 CLUSTER_VARIABLE = "tensortune_cluster"     # the same, as a Prefect Variable (for deployments)
 CPU_RESOURCE = "measure-cpu"
 GPU_RESOURCE = "GPU"
+NVCC_RESOURCE = "nvcc"
 
 
 class ClusterError(RuntimeError):
@@ -28,11 +30,17 @@ def measure_resource(target_kind: str) -> str:
     return GPU_RESOURCE if target_kind == "cuda" else CPU_RESOURCE
 
 
+def build_resource(target_kind: str) -> str | None:
+    """The worker resource a task's builds need (None: any worker can build)."""
+    return NVCC_RESOURCE if target_kind == "cuda" else None
+
+
 def local_resources(target_kind: str = "llvm") -> dict[str, float]:
     """What the embedded LocalCluster's worker advertises: this machine is one measure node."""
     res = {CPU_RESOURCE: 1.0}
     if target_kind == "cuda":
         res[GPU_RESOURCE] = 1.0
+        res[NVCC_RESOURCE] = float(os.cpu_count() or 1)
     return res
 
 
@@ -100,10 +108,11 @@ def require_resource(client: Client, resource: str, wait: float = 0.0) -> None:
     while not workers_with(client, resource):
         if time.monotonic() >= deadline:
             n = len(client.scheduler_info(n_workers=-1)["workers"])
-            flag = f"--resources {resource}=1"
+            flag = f"--resources {resource}=" + ("4" if resource == NVCC_RESOURCE else "1")
+            where = {GPU_RESOURCE: " on a GPU node", NVCC_RESOURCE: " on a node with the CUDA toolkit"}
             raise ClusterError(
                 f"no worker of the Dask cluster at {client.scheduler.address} advertises the resource "
-                f"{resource!r} ({n} workers connected), so measurements that need it would wait forever. "
+                f"{resource!r} ({n} workers connected), so work that needs it would wait forever. "
                 f"Start a worker with `dask worker {client.scheduler.address} {flag}`"
-                + (" on a GPU node" if resource == GPU_RESOURCE else "") + " (see deploy/README.md)")
+                + where.get(resource, "") + " (see deploy/README.md)")
         time.sleep(0.2)

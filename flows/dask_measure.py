@@ -1,6 +1,7 @@
 """DaskMeasurer: ProgramMeasurer's `measure(task, steps_list)` with one Dask future per build and per timing.
 
-Builds run on any worker, in parallel; timings run only on workers advertising the task's resource
+Builds run on any worker (CUDA builds on workers advertising `nvcc`), in parallel; timings run only on
+workers advertising the task's resource
 (`measure-cpu` or `GPU`, one unit each, so one timing at a time per node), after every build of the
 batch is done (a build must not share a node with a timing). Inside a worker, the build and the timing
 run in that worker's own isolated process pools (codegen.worker_pool), so a crashing or hanging kernel
@@ -24,7 +25,7 @@ from typing import Sequence
 from distributed import Client, Future, wait
 
 from codegen.measure import BuildResult, ErrorCode, LocalBuilder, LocalRunner, MeasureResult, TimingConfig
-from flows.dask_cluster import measure_resource, require_resource
+from flows.dask_cluster import build_resource, measure_resource, require_resource
 from tasks.search_task import SearchTask
 
 # ------------------------------------------------------------------ worker side
@@ -115,11 +116,15 @@ class DaskMeasurer:
         if not steps_list:
             return []
         resource = self._resource(task)
+        builder = build_resource(task.target_kind)
+        if builder is not None:
+            require_resource(self.client, builder, wait=self.resource_wait)
         tj, tag = task.to_json(), uuid.uuid4().hex[:10]
         deadline = time.monotonic() + self._round_timeout(len(steps_list))
         t0 = time.perf_counter()
         builds = [self.client.submit(build_candidate, tj, s, self.build_timeout, self.keep_source, pure=False,
-                                     retries=self.retries, key=f"build-{task.name}-{tag}-{i}")
+                                     retries=self.retries, key=f"build-{task.name}-{tag}-{i}",
+                                     resources={builder: 1} if builder else None)
                   for i, s in enumerate(steps_list)]
         self._wait(builds, deadline)                 # no build may share a node with a timing
         t1 = time.perf_counter()

@@ -76,6 +76,14 @@ def test_cuda_timings_need_a_gpu_worker(cluster):
         DaskMeasurer(cluster, resource_wait=0).measure(cuda, [State(cuda.dag).steps_json()])
 
 
+def test_cuda_builds_need_a_worker_with_nvcc():
+    cuda = make_task(make_dag("matmul", 64, 64, 64), "cuda -arch=sm_90")
+    with LocalCluster(n_workers=1, threads_per_worker=1, resources={"GPU": 1}, dashboard_address=None,
+                      host="127.0.0.1") as c, Client(c, set_as_default=False) as client:
+        with pytest.raises(ClusterError, match=r"'nvcc'.*--resources nvcc=4.*CUDA toolkit"):
+            DaskMeasurer(client, resource_wait=0).measure(cuda, [State(cuda.dag).steps_json()])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,10 +99,12 @@ def test_an_unreachable_cluster_is_a_clear_error():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed to build CUDA candidates")
 def test_cuda_timings_go_only_to_the_gpu_worker_and_cpu_timings_never(cluster, task):
-    """A real `dask worker --resources GPU=1` joins: CUDA timings run there only, CPU timings never do."""
+    """A real `dask worker --resources GPU=1,nvcc=2` joins: CUDA builds and timings run there only (the
+    CPU workers may have no nvcc), CPU timings never do."""
     address = cluster.scheduler.address
     gpu = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1",
-                            "--nworkers", "1", "--resources", "GPU=1", "--name", "gpu-test", "--no-dashboard"],
+                            "--nworkers", "1", "--resources", "GPU=1,nvcc=2", "--name", "gpu-test",
+                            "--no-dashboard"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -105,10 +115,12 @@ def test_cuda_timings_go_only_to_the_gpu_worker_and_cpu_timings_never(cluster, t
         with get_task_stream(client=cluster) as stream:
             DaskMeasurer(cluster, timing=TIMING).measure(cuda, programs(cuda, 2))
         cuda_runs = [t["worker"] for t in stream.data if str(t["key"]).startswith("run-")]
+        cuda_builds = [t["worker"] for t in stream.data if str(t["key"]).startswith("build-")]
         with get_task_stream(client=cluster) as stream:
             DaskMeasurer(cluster, timing=TIMING).measure(task, programs(task, 4))
         cpu_runs = [t["worker"] for t in stream.data if str(t["key"]).startswith("run-")]
         assert len(cuda_runs) == 2 and set(cuda_runs) == {gpu_worker}
+        assert len(cuda_builds) == 2 and set(cuda_builds) == {gpu_worker}
         assert len(cpu_runs) == 4 and set(cpu_runs) <= set(workers_with(cluster, "measure-cpu"))
     finally:
         os.kill(gpu.pid, signal.SIGTERM)
