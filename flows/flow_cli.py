@@ -47,6 +47,11 @@ def tune(network: NetworkArg,
                                                     help="Retrain the cost model every R rounds.")] = 2,
          population: Annotated[Optional[int], typer.Option(
              "--population", min=16, help="Evolutionary search population (TVM: 2048).")] = None,
+         latency_target_ms: Annotated[Optional[float], typer.Option(
+             "--latency-target-ms", min=0.0, help="Stop once the network's estimated latency meets this.")] = None,
+         early_stopping: Annotated[Optional[int], typer.Option(
+             "--early-stopping", min=1, help="Give a task no more trials after this many without improvement.")]
+         = None,
          seed: int = 0,
          port: Annotated[int, typer.Option("--port", help="Port of the local Prefect server.")] = 4200,
          stop_server: Annotated[bool, typer.Option(
@@ -73,7 +78,8 @@ def tune(network: NetworkArg,
             state = tune_network_flow(network=network, trials=trials, target=target, records=url, cluster=cluster,
                                       batch=batch, image_size=image_size, seq_len=seq_len, layers=layers,
                                       input_shapes=input_shape, per_round=per_round, retrain_every=retrain_every,
-                                      seed=seed, search=search, return_state=True)
+                                      seed=seed, search=search, latency_target_ms=latency_target_ms,
+                                      early_stopping_task=early_stopping, return_state=True)
         if state.is_completed():
             _print_summary(state.result())
     finally:

@@ -29,7 +29,7 @@ from flows.retrain import NewestModel, Trainer, load_newest, retrain
 from flows.tuning import default_seeds, learn, propose, resume_policy
 from search.candidate import Candidate
 from search.sketch_policy import SearchParams, SketchPolicy
-from search.task_scheduler import INF_COST, TaskScheduler
+from search.task_scheduler import INF_COST, TaskScheduler, latency_requirements
 from storage.models import ModelStore
 from storage.records import DEFAULT_ROOT, RecordStore
 from tasks.search_task import SearchTask
@@ -41,7 +41,8 @@ class Session:
     """One flow run's tuning state, kept in the flow process (task runs receive it by reference)."""
 
     def __init__(self, tasks: list[SearchTask], network: str, records: RecordStore, measurer,
-                 params: SearchParams, strategy: str, seed: int, warmup: int, flow_run_id: str):
+                 params: SearchParams, strategy: str, seed: int, warmup: int, flow_run_id: str,
+                 scheduler_options: dict | None = None):
         self.tasks, self.network, self.records, self.measurer = tasks, network, records, measurer
         self.target = tasks[0].target
         self.models = ModelStore(records.location.url)
@@ -51,7 +52,7 @@ class Session:
         self.default_steps = [s[0].steps_json() if s else None for s in seeds]
         self.policies = [SketchPolicy(t, self.model, params, seed=seed + i, seeds=s)
                          for i, (t, s) in enumerate(zip(tasks, seeds))]
-        self.sched = TaskScheduler(tasks, strategy=strategy, seed=seed)
+        self.sched = TaskScheduler(tasks, strategy=strategy, seed=seed, **(scheduler_options or {}))
         self.trainer = Trainer(tasks, self.target, warmup, seed, self.model.features)
         n = len(tasks)
         self.trials_run, self.trials_before = [0] * n, [0] * n
@@ -81,12 +82,10 @@ class Session:
 @task(name="extract-tasks", **_STEP)
 def extract_network_tasks(network: str, target: str, options: dict[str, Any]) -> list[SearchTask]:
     """The network's tuning tasks (fused subgraphs, deduplicated, weighted) for the target."""
-    from codegen.target import make_task
     from flows.network_cli import load_graph
-    from tasks.extract import extract_tasks
+    from flows.tuning import network_tasks
     graph = load_graph(network, **options)
-    net = extract_tasks(graph)
-    tasks = [make_task(t.dag, target, t.name, t.weight) for t in net.tasks]
+    net, tasks = network_tasks(graph, target)
     get_run_logger().info(f"{graph.name}: {len(tasks)} tasks, {net.total_flops / 1e9:.3f} GFLOP per run, "
                           f"target {tasks[0].target if tasks else target}")
     return tasks
@@ -102,9 +101,8 @@ def load_history(s: Session) -> dict[str, int]:
         s.trials_before[i] = n
         total += n
         if n and p.best is not None:
-            latency = p.task.flops / (p.best[0] * 1e9)
-            s.before[i] = latency
-            s.sched.restore(i, max(1, n // s.params.num_measures_per_round), latency)
+            s.before[i] = p.best_cost
+            s.sched.restore(i, max(1, n // s.params.num_measures_per_round), p.best_cost)
         if n and s.default_steps[i] is not None:
             frame = s.records.records_of(p.task.workload_key, target=p.task.target)
             hit = frame[(frame["steps"] == s.default_steps[i]) & (frame["error_code"] == 0)]
@@ -179,16 +177,27 @@ def measure_batch(s: Session, i: int, batch: list[Candidate], scores: list[float
 
 def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: str, measurer,
                per_round: int = 64, retrain_every: int = 2, model_warmup: int = 100, strategy: str = "gradient",
-               seed: int = 0, search: dict | None = None, flow_run_id: str = "") -> dict[str, Any]:
-    """The rounds of one flow run (called inside a flow): returns the run's summary."""
+               seed: int = 0, search: dict | None = None, flow_run_id: str = "",
+               latency_target_ms: float | None = None, early_stopping_task: int | None = None) -> dict[str, Any]:
+    """The rounds of one flow run (called inside a flow): returns the run's summary.
+
+    latency_target_ms: the network's latency requirement (Ansor's objective f2, max(latency, target)):
+    the run stops once the estimate meets it. early_stopping_task: a task that has not improved for
+    this many trials gets no more."""
     log = get_run_logger()
     if trials < 1:
         raise ValueError(f"trials must be at least 1, got {trials}")
     if retrain_every < 1:
         raise ValueError(f"retrain_every must be at least 1 round, got {retrain_every}")
+    if latency_target_ms is not None and latency_target_ms <= 0:
+        raise ValueError(f"latency_target_ms must be positive, got {latency_target_ms}")
     params = SearchParams(**{**(search or {}), "num_measures_per_round": per_round})
     store = RecordStore(records)
-    s = Session(tasks, network, store, measurer, params, strategy, seed, model_warmup, flow_run_id)
+    options: dict[str, Any] = {"early_stopping_task": early_stopping_task}
+    if latency_target_ms is not None:
+        options["objective"] = latency_requirements({network: {i: float(t.weight) for i, t in enumerate(tasks)}},
+                                                    {network: latency_target_ms / 1e3})
+    s = Session(tasks, network, store, measurer, params, strategy, seed, model_warmup, flow_run_id, options)
     load_history(s)
     retrain_cost_model(s, "start")
     before = list(s.before)
@@ -223,6 +232,9 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
         one(i)
     s.sched.after_warmup()
     while done < trials:
+        if latency_target_ms is not None and s.estimate() * 1e3 <= latency_target_ms:
+            log.info(f"estimated latency {_ms(s.estimate())} meets the target of {latency_target_ms} ms: stopping")
+            break
         i = s.sched.next_task()
         if i is None:
             log.info("every task is exhausted or dead: stopping early")
@@ -284,14 +296,16 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                       image_size: int | None = None, seq_len: int | None = None, layers: int | None = None,
                       input_shapes: list[str] | None = None, per_round: int = 64, retrain_every: int = 2,
                       model_warmup: int = 100, strategy: str = "gradient", seed: int = 0, search: dict | None = None,
-                      timing: dict | None = None, local_workers: int = 1) -> dict[str, Any]:
+                      timing: dict | None = None, local_workers: int = 1, latency_target_ms: float | None = None,
+                      early_stopping_task: int | None = None) -> dict[str, Any]:
     """Tune a network's tasks for `trials` measurements, resuming from the record store.
 
     network: a built-in network name or an .onnx path (input_shapes: NAME=D0,D1,... for its symbolic
     dimensions); records: folder or URL of the record store; cluster: tcp://HOST:8786 of a Dask
     scheduler (default: $TENSORTUNE_CLUSTER, the Prefect Variable tensortune_cluster, else a
     LocalCluster of `local_workers` workers); search: SearchParams fields; timing: TimingConfig fields
-    plus build_timeout/run_timeout seconds.
+    plus build_timeout/run_timeout seconds; latency_target_ms: stop once the estimated latency meets it;
+    early_stopping_task: trials without improvement after which a task gets no more.
     """
     options = {k: v for k, v in (("batch", batch), ("image_size", image_size), ("seq_len", seq_len),
                                  ("layers", layers), ("input_shapes", input_shapes)) if v is not None}
@@ -304,7 +318,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                               f"{len(client.scheduler_info(n_workers=-1)['workers'])} workers")
         return tune_tasks(tasks, network=network, trials=trials, records=records, measurer=_measurer(client, timing),
                           per_round=per_round, retrain_every=retrain_every, model_warmup=model_warmup,
-                          strategy=strategy, seed=seed, search=search, flow_run_id=_flow_run_id())
+                          strategy=strategy, seed=seed, search=search, flow_run_id=_flow_run_id(),
+                          latency_target_ms=latency_target_ms, early_stopping_task=early_stopping_task)
 
 
 @flow(name="tune-op", flow_run_name=_run_name, persist_result=False)

@@ -12,11 +12,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from codegen.measure import MeasureResult, ProgramMeasurer
+from codegen.target import make_task
 from search.candidate import Candidate
 from search.cost_model import CostModel, RandomModel, XGBModel
 from search.sketch_policy import SearchParams, SketchPolicy
 from search.state import IllegalStep, State
 from storage.records import MeasureRecord, RecordStore
+from tasks.extract import NetworkTasks, extract_tasks
+from tasks.graph import Graph
+from tasks.models import make_network
 from tasks.search_task import SearchTask
 
 
@@ -29,6 +33,8 @@ class RoundLog:
     measure_s: float
     train_s: float
     errors: int
+    model_accuracy: float = math.nan     # the cost model's held-out pairwise accuracy after this round
+    model_recall: float = math.nan       # ... and its held-out recall@k
 
 
 @dataclass
@@ -131,6 +137,9 @@ def run_round(policy: SketchPolicy, measurer, n: int, *, records: RecordStore | 
     t3 = time.perf_counter()
     best = policy.best[0] if policy.best else 0.0
     log = RoundLog(round_, len(batch), best, t1 - t0, t2 - t1, t3 - t2, sum(1 for r in results if not r.ok))
+    metrics = getattr(policy.model, "metrics", None)
+    if metrics is not None:
+        log.model_accuracy, log.model_recall = metrics.pairwise_accuracy, metrics.recall_at_k
     return batch, results, log
 
 
@@ -161,7 +170,7 @@ def tune_task(task: SearchTask, trials: int, *, measurer: ProgramMeasurer | None
     measurer = measurer or ProgramMeasurer()
     result = TuneResult(task, None, math.inf, 0)
     if policy.best is not None:
-        result.best_steps, result.best_latency = policy.best[1].steps_json, task.flops / (policy.best[0] * 1e9)
+        result.best_steps, result.best_latency = policy.best[1].steps_json, policy.best_cost
     try:
         rnd = 0
         while result.trials < trials:
@@ -200,13 +209,30 @@ class NetworkTuneResult:
         return float(sum(t.weight * c for t, c in zip(self.tasks, self.best_costs)))
 
 
-def tune_network(tasks: list[SearchTask], trials: int, *, measurer=None, model: str | CostModel = "xgb",
-                 params: SearchParams | None = None, records: RecordStore | None = None,
-                 strategy: str = "gradient", objective=None, seed: int = 0, flow_run_id: str = "",
-                 network: str = "", scheduler_options: dict | None = None,
+def network_tasks(network: str | Graph, target: str = "llvm", **options) -> tuple[NetworkTasks, list[SearchTask]]:
+    """A network (a builder name with its options, e.g. image_size=32, or a Graph such as an imported
+    ONNX model) split into its tuning tasks for `target`."""
+    graph = make_network(network, **options) if isinstance(network, str) else network
+    net = extract_tasks(graph)
+    return net, [make_task(t.dag, target, t.name, t.weight) for t in net.tasks]
+
+
+def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measurer=None,
+                 model: str | CostModel = "xgb", params: SearchParams | None = None,
+                 records: RecordStore | None = None, strategy: str = "gradient", objective=None, seed: int = 0,
+                 flow_run_id: str = "", network_name: str = "", target: str = "llvm",
+                 network_options: dict | None = None, scheduler_options: dict | None = None,
                  progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None) -> NetworkTuneResult:
-    """Spend `trials` measurements over a network's tasks, where the objective gains most."""
+    """Spend `trials` measurements over a network's tasks, where the objective gains most.
+
+    `network`: its tasks, or a builder name / Graph (then split with `network_tasks(network, target,
+    **network_options)`); records are labelled with `network_name` (default: the graph's name)."""
     from search.task_scheduler import TaskScheduler
+    if isinstance(network, list):
+        tasks = network
+    else:
+        net, tasks = network_tasks(network, target, **(network_options or {}))
+        network_name = network_name or net.source.name
     params = params or SearchParams()
     shared = make_model(model, seed)
     policies = [SketchPolicy(t, shared, params, seed=seed + i, seeds=default_seeds(t)) for i, t in enumerate(tasks)]
@@ -215,7 +241,7 @@ def tune_network(tasks: list[SearchTask], trials: int, *, measurer=None, model: 
         for i, p in enumerate(policies):
             n = resume_policy(p, records)
             if n and p.best is not None:
-                sched.restore(i, max(1, n // params.num_measures_per_round), p.task.flops / (p.best[0] * 1e9))
+                sched.restore(i, max(1, n // params.num_measures_per_round), p.best_cost)
     per_round = max(1, min(params.num_measures_per_round, trials // len(tasks)))
     own = measurer is None
     measurer = measurer or ProgramMeasurer()
@@ -226,7 +252,7 @@ def tune_network(tasks: list[SearchTask], trials: int, *, measurer=None, model: 
     def one(i: int) -> bool:
         nonlocal rnd
         batch, results, log = run_round(policies[i], measurer, per_round, records=records, round_=rnd,
-                                        flow_run_id=flow_run_id, network=network)
+                                        flow_run_id=flow_run_id, network=network_name)
         sched.record(i, [r.mean for r in results], exhausted=not batch)
         result.trials += len(batch)
         result.best_costs = list(sched.best_costs)
@@ -269,6 +295,6 @@ def apply_best(task: SearchTask, source: TuneResult | RecordStore):
     state = State.from_json(task.dag, steps)
     if task.target_kind == "cuda":
         from codegen.cuda_backend import CUDAKernel, build as build_cuda
-        return CUDAKernel(build_cuda(state, task.target))
+        return CUDAKernel(build_cuda(state, task.target, hardware=task.hardware))
     from codegen.llvm_backend import LLVMKernel, build
     return LLVMKernel(build(state, task.target))

@@ -127,6 +127,16 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
         a["trials (total)"] + b["trials (this run)"] for a, b in zip(first["tasks"], second["tasks"])]
     assert len(ModelStore(records).list()) >= 3                # retrained at the start from the history
 
+    # third run: every task has a stored program (no warm-up round is owed) and the estimate already meets
+    # the latency target, so the run measures nothing of its 64 trials
+    state3 = tune_network_flow(network, trials=64, records=records, cluster=address, return_state=True,
+                               latency_target_ms=1e6, **SMALL)
+    assert state3.is_completed(), state3
+    third = state3.result()
+    assert third["trials"] == 0 and third["rounds"] == 0
+    assert third["estimate_after_s"] == pytest.approx(second["estimate_after_s"], rel=1e-9)
+    assert len(store.read()) == 48
+
 
 def test_a_bad_cluster_address_fails_the_run_with_what_to_do(tmp_path, prefect_api):
     from flows.dask_cluster import ClusterError
