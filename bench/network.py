@@ -132,12 +132,8 @@ def torch_ms(name: str, threads: int, options: dict) -> float:
 # ---------------------------------------------------------------------------------- tensortune
 
 def run(name: str, trials: int, strategy: str, seed: int, options: dict, measurer, store=None):
-    from codegen.target import make_task
-    from flows.tuning import tune_network
-    from tasks.extract import extract_tasks
-    from tasks.models import make_network
-    net = extract_tasks(make_network(name, **options))
-    tasks = [make_task(t.dag, "llvm", t.name, t.weight) for t in net.tasks]
+    from flows.tuning import network_tasks, tune_network
+    net, tasks = network_tasks(name, "llvm", **options)
     t0 = time.perf_counter()
     res = tune_network(tasks, trials, measurer=measurer, strategy=strategy, seed=seed, records=store,
                        progress=lambda i, log, r: print(f"  {name} [{strategy}] {r.trials}/{trials} trials, "

@@ -12,6 +12,16 @@ from flows.cli import app
 console = Console()
 
 
+def print_code(text: str) -> None:
+    """Programs and step lists print unwrapped and unstyled, so they can be copied back (`show --steps`)."""
+    console.print(text, markup=False, soft_wrap=True, highlight=False)
+
+
+def loop_nest(state, task) -> str:
+    from codegen.lower import lower
+    return lower(state, target_kind="cuda" if task.target_kind == "cuda" else "cpu").text()
+
+
 def parse_args(text: str) -> tuple[list, dict]:
     """'1024,1024,1024' or '1,56,56,64,64,3,3,1,1' or 'N=1,layout=NHWC' -> (positional, keyword)."""
     pos, kw = [], {}
@@ -55,7 +65,6 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
             per_round: int = typer.Option(64, help="measurements per round"),
             seed: int = typer.Option(0)) -> None:
     """Tune one operator and print the best program's schedule and loop nest."""
-    from codegen.lower import lower
     from flows.tuning import tune_task
     from search.sketch_policy import SearchParams
     from search.state import State
@@ -65,14 +74,16 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
     console.print(f"tuning [bold]{task.name}[/bold] ({task.flops / 1e9:.3f} GFLOP) on {task.target}, "
                   f"{trials} trials, records: {records or 'none'}")
     columns = [TextColumn("round {task.fields[round]}"), BarColumn(), TextColumn("{task.completed}/{task.total} trials"),
-               TextColumn("best {task.fields[best]:.1f} GFLOP/s"), TimeElapsedColumn(), TextColumn("ETA"),
-               TimeRemainingColumn()]
+               TextColumn("best {task.fields[best]:.1f} GFLOP/s"), TextColumn("{task.fields[model]}"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     start = time.time()
     with Progress(*columns, console=console) as bar:
-        pid = bar.add_task("tune", total=trials, round=0, best=0.0)
+        pid = bar.add_task("tune", total=trials, round=0, best=0.0, model="model: warming up")
 
         def progress(log, result) -> None:
-            bar.update(pid, completed=log.trials, round=log.round, best=log.best_gflops)
+            model = (f"model: pair-acc {log.model_accuracy:.2f} recall@10 {log.model_recall:.2f}"
+                     if log.model_accuracy == log.model_accuracy else "model: warming up")
+            bar.update(pid, completed=log.trials, round=log.round, best=log.best_gflops, model=model)
 
         result = tune_task(task, trials, model=model, params=SearchParams(num_measures_per_round=per_round),
                            records=store, seed=seed, progress=progress)
@@ -84,10 +95,10 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
                   f"{result.trials} trials in {time.time() - start:.0f} s "
                   f"(search {result.search_seconds:.0f} s, measure {result.measure_seconds:.0f} s)")
     console.print("[bold]schedule[/bold]")
-    console.print(str(state), markup=False)
+    print_code(str(state))
     console.print("[bold]loop nest[/bold]")
-    console.print(lower(state, target_kind="cuda" if task.target_kind == "cuda" else "cpu").text(), markup=False)
-    console.print(f"steps: {result.best_steps}", markup=False)
+    print_code(loop_nest(state, task))
+    print_code(f"steps: {result.best_steps}")
 
 
 @app.command("show")
@@ -97,7 +108,6 @@ def show(op: str = typer.Argument(..., help="registered workload"),
          records: str = typer.Option("./tuning-records"),
          target: str = typer.Option("llvm")) -> None:
     """Print a schedule as TVM prints a State and as the lowered loop nest."""
-    from codegen.lower import lower
     from flows.tuning import best_steps
     from search.state import IllegalStep, State
     from storage.records import RecordStore
@@ -111,6 +121,6 @@ def show(op: str = typer.Argument(..., help="registered workload"),
     except IllegalStep as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
-    console.print(task.dag.to_text(), markup=False)
-    console.print(str(state), markup=False)
-    console.print(lower(state, target_kind="cuda" if task.target_kind == "cuda" else "cpu").text(), markup=False)
+    print_code(task.dag.to_text())
+    print_code(str(state))
+    print_code(loop_nest(state, task))

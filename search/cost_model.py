@@ -8,6 +8,7 @@ reports held-out pairwise accuracy and recall@k, so a user can see whether it le
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from search.feature import N_FEATURES
 from search.feature_pool import Featurizer
 from search.state import State
 from tasks.search_task import SearchTask
+
+log = logging.getLogger("tensortune.search")
 
 XGB_PARAMS = {"max_depth": 10, "gamma": 0.001, "min_child_weight": 0, "eta": 0.2, "verbosity": 0,
               "disable_default_eval_metric": 1, "nthread": 2}
@@ -191,6 +194,9 @@ class XGBModel(CostModel):
             len(all_rows), len(data), float(np.nanmean(acc)) if acc else float("nan"),
             float(np.nanmean(rec)) if rec else float("nan"), self.k,
             float(np.sqrt(np.mean((pred - true) ** 2))), int(self.booster.best_iteration + 1))
+        log.info("cost model v%d trained on %d programs of %d task(s): held-out pairwise accuracy %.3f, "
+                 "recall@%d %.3f", self.version, self.metrics.n_programs, self.metrics.n_tasks,
+                 self.metrics.pairwise_accuracy, self.k, self.metrics.recall_at_k)
         return self.metrics
 
     # ------------------------------------------------------------------ prediction

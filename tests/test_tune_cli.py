@@ -1,0 +1,67 @@
+"""`tensortune tune-op` tunes with a progress line and prints the best schedule and loop nest;
+`tensortune show` prints the stored best; bad arguments exit with a message saying what is wrong."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from codegen.target import make_task
+from flows.cli import _register_commands, app
+from flows.tuning import apply_best
+from storage.records import RecordStore
+from tasks.reference import evaluate, mismatch
+from tasks.workload_registry import make_dag
+
+_register_commands()
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    records = str(tmp_path_factory.mktemp("cli") / "records")
+    result = CliRunner().invoke(app, ["tune-op", "matmul", "--args", "48,32,40", "--trials", "8",
+                                      "--per-round", "4", "--records", records])
+    return records, result
+
+
+def test_tune_op_prints_progress_schedule_and_loop_nest(tuned):
+    records, result = tuned
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "8/8 trials" in out and "GFLOP/s" in out
+    assert "schedule" in out and "loop nest" in out and "for " in out
+    steps = out.split("steps: ", 1)[1].strip().splitlines()[0]
+    assert json.loads(steps)                                  # the best program's step list
+    store = RecordStore(records)
+    assert len(store.read()) == 8
+    task = make_task(make_dag("matmul", 48, 32, 40))
+    kernel = apply_best(task, store)                          # the printed best is the stored best
+    inputs = task.dag.random_inputs(3)
+    c = np.empty((48, 32), np.float32)
+    kernel(*inputs, c)
+    assert mismatch(c, evaluate(task.dag, inputs)[0]) is None
+
+
+def test_show_prints_the_stored_best(tuned):
+    records, tuned_result = tuned
+    best = tuned_result.output.split("steps: ", 1)[1].strip().splitlines()[0]
+    result = CliRunner().invoke(app, ["show", "matmul", "--args", "48,32,40", "--records", records])
+    assert result.exit_code == 0, result.output
+    naive = CliRunner().invoke(app, ["show", "matmul", "--args", "48,32,40", "--records", ""])
+    assert "for " in result.output and result.output != naive.output
+    explicit = CliRunner().invoke(app, ["show", "matmul", "--args", "48,32,40", "--steps", best])
+    assert explicit.output == result.output
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tune-op", "no_such_op", "--trials", "1"], "unknown workload 'no_such_op'"),
+    (["tune-op", "matmul", "--args", "4,4,4,4,4,4,4", "--trials", "1"], "too many"),
+    (["show", "matmul", "--args", "8,8,8", "--steps", '[["SP",2,0,8,[16],1]]'], "split lengths [16]"),
+    (["show", "matmul", "--args", "8,8,8", "--steps", "[[not json"], "JSON"),
+])
+def test_bad_input_exits_with_a_clear_message(argv, message):
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert "error" in result.output and message.lower() in result.output.lower(), result.output
