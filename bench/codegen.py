@@ -15,11 +15,16 @@ from bench.common import (blas_info, ensure_clean_blas_env, measure_fma_peak, me
                           torch_threads, write_json)
 
 
+# (ib, jb, kb, ri, rj) of the hand-written matmul per float32 lanes of a hardware vector
+TILES_BY_LANES = {16: (128, 256, 64, 8, 32), 8: (128, 128, 64, 4, 16)}
+
+
 def matmul_schedule(dag, ib: int = 128, jb: int = 256, kb: int = 64, ri: int = 8, rj: int = 32):
     """Register tile ri x rj accumulated in C.local over a kb slice of K; (ib x jb) blocks run in parallel.
 
-    The defaults won a sweep on this machine: an 8 x 32 tile (16 zmm accumulators, two 16-float loads of
-    B and eight broadcasts of A per k) ran at 200-234 GFLOP/s where 4 x 64 ran at 146-177.
+    The defaults won a sweep on an AVX-512 Xeon: an 8 x 32 tile (16 zmm accumulators, two 16-float loads
+    of B and eight broadcasts of A per k) ran at 200-234 GFLOP/s where 4 x 64 ran at 146-177. With AVX2
+    (16 ymm registers) that tile spills; `TILES_BY_LANES` holds the winner of a sweep on a Zen 3 EPYC.
     """
     from search.state import State
     s = State(dag).cache_write("C", "local")
@@ -82,7 +87,8 @@ def main(argv: list[str]) -> int:
                  "ratio_vs_numpy": 1.0, "peak_frac": mm.flops / np_ms / 1e6 / peak_all})
     if not args.skip_naive:
         run(mm, f"naive matmul {n}^3", State(mm.dag), np_ms, "numpy")
-    run(mm, f"hand-written matmul {n}^3", matmul_schedule(mm.dag), np_ms, "numpy")
+    tile = TILES_BY_LANES.get(mm.hardware.vector_unit_bytes // 4, TILES_BY_LANES[16])
+    run(mm, f"hand-written matmul {n}^3", matmul_schedule(mm.dag, *tile), np_ms, "numpy")
 
     conv = make_task(make_dag("conv2d_relu", 1, 56, 56, 64, 64, 3, 3, 1, 1))
     torch = torch_threads(args.threads)
