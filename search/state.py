@@ -551,6 +551,22 @@ def _unique_stage_name(state: "State", base: str) -> str:
     return name
 
 
+def _redirect_loads(stages: list[Stage], replaced: dict[Tensor, Tensor]) -> None:
+    """Point every later reader of a replaced op at its replacement, transitively (TVM's
+    ReplaceDataFlow): a consumer that kept loading the old op would no longer be its consumer."""
+    replaced = dict(replaced)
+    for i, st in enumerate(stages):
+        if st.op in replaced.values() or st.is_placeholder:
+            continue
+        if not any(isinstance(n, Load) and n.tensor in replaced for n in te.walk(st.op.body)):
+            continue
+        body = te.transform(st.op.body, lambda n: Load(replaced[n.tensor], n.indices)
+                            if isinstance(n, Load) and n.tensor in replaced else None)
+        new = Tensor(st.op.name, st.op.shape, st.op.dtype, st.op.axes, body, st.op.attrs)
+        replaced[st.op] = new
+        stages[i] = st.replace(op=new)
+
+
 @dataclass(frozen=True)
 class CacheReadStep(Step):
     """Copy a tensor into `scope` for the given readers (GPU shared memory, CPU packing)."""
@@ -571,10 +587,13 @@ class CacheReadStep(Step):
         name = _unique_stage_name(state, f"{old.name}.{self.scope_name}")
         cache = te.compute(old.shape, lambda *i: old[i], name=name)
         stages = list(state.stages)
+        replaced = {}
         for rid, r in zip(self.reader_stage_ids, readers):
             body = te.transform(r.op.body, lambda n: Load(cache, n.indices)
                                 if isinstance(n, Load) and n.tensor is old else None)
-            stages[rid] = r.replace(op=Tensor(r.op.name, r.op.shape, r.op.dtype, r.op.axes, body, r.op.attrs))
+            replaced[r.op] = Tensor(r.op.name, r.op.shape, r.op.dtype, r.op.axes, body, r.op.attrs)
+            stages[rid] = r.replace(op=replaced[r.op])
+        _redirect_loads(stages, replaced)
         stages.insert(self.stage_id + 1, initial_stage(cache, self.scope_name, "cache_read"))
         return state._derive(stages, self)
 
@@ -599,6 +618,7 @@ class CacheWriteStep(Step):
         out = Tensor(old.name, old.shape, old.dtype, axes, Load(local, axes), old.attrs)
         stages = list(state.stages)
         stages[self.stage_id] = initial_stage(out).replace(compute_at=stage.compute_at, attach=stage.attach)
+        _redirect_loads(stages, {old: out})
         stages.insert(self.stage_id, initial_stage(local, self.scope_name, "cache_write"))
         return state._derive(stages, self)
 
@@ -660,6 +680,7 @@ class RfactorStep(Step):
                      te.Reduce(op.body.combiner, Load(rf, tuple(idx)), (r,)), op.attrs)
         stages = list(state.stages)
         stages[self.stage_id] = initial_stage(out).replace(compute_at=stage.compute_at, attach=stage.attach)
+        _redirect_loads(stages, {op: out})
         stages.insert(self.stage_id, initial_stage(rf, origin="rfactor"))
         return state._derive(stages, self)
 

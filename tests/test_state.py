@@ -114,3 +114,15 @@ def test_compute_at_a_stage_that_does_not_consume_it():
 def test_malformed_step_json(mm, text, match):
     with pytest.raises(IllegalStep, match=match):
         State.from_json(mm, text)
+
+
+def test_cache_read_after_cache_write_keeps_the_dataflow(mm):
+    """Packing B for the register tile: C.local must stay C's producer, or it cannot be attached to C."""
+    s = State(mm).cache_write("C", "local").cache_read("B", "local", ["C.local"])
+    assert [st.name for st in s.stages] == ["A", "B", "B.local", "C.local", "C"]
+    assert [c.name for c in s.consumers(s.stage_id("C.local"))] == ["C"]
+    s = s.split("C", 0, [8]).split("C", 2, [16]).reorder("C", [0, 2, 1, 3])
+    s = s.compute_at("C.local", "C", 1).split("C.local", 2, [8]).reorder("C.local", [2, 0, 3, 1])
+    s = s.compute_at("B.local", "C.local", 0).vectorize("C.local", 3).vectorize("B.local", 1).parallel("C", 0)
+    assert "B.local[float32 * 128]" in lower(s).text()         # one 8 x 16 panel of B per k.0
+    check_state(s)
