@@ -31,13 +31,18 @@ def fill_tile_sizes(sketch: Sketch, rng: random.Random, max_innermost: int) -> l
     return steps
 
 
+def is_packing(stage) -> bool:
+    """A CPU cache-read copy (sketch rule add_cache_read_pack)."""
+    return stage.origin == "cache_read" and stage.scope == "local"
+
+
 def change_compute_location(state: State, rng: random.Random) -> State:
     for sid in range(len(state.stages) - 1, -1, -1):
         stage = state.stages[sid]
         if stage.is_placeholder or stage.compute_at == "inline":
             continue
-        if utils.is_tiled(stage) or utils.needs_multi_level_tiling(state, sid):
-            continue
+        if utils.is_tiled(stage) or utils.needs_multi_level_tiling(state, sid) or is_packing(stage):
+            continue                    # a packed copy stays where its sketch put it (mutation moves it)
         candidates = utils.compute_location_candidates(state, sid)
         choice = rng.randrange(len(candidates) + 2)
         try:
@@ -101,6 +106,10 @@ def annotate_vectorization(state: State, rng: random.Random, max_vectorize: int)
         if stage.is_placeholder or stage.compute_at == "inline":
             continue
         n = len(stage.iters)
+        if is_packing(stage):
+            # its loops cover the consumer's tile, not the extents the state shows: copy whole rows
+            state = state.vectorize(sid, n - 1)
+            continue
         num, prod = 0, 1
         tiled = utils.is_tiled(stage)
         while num < n:

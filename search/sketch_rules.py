@@ -179,6 +179,24 @@ class AddCacheRead(SketchRule):
         return [(s, sid)]
 
 
+class AddCacheReadPack(SketchRule):
+    """CPU: pack an operand that the tiled consumer walks across rows into a local buffer at the
+    consumer's outermost reduce tile (not in Ansor: BLAS-style packing; see utils.strided_operand_consumer).
+    The unpacked sketch is kept too, so the search decides."""
+    name = "add_cache_read_pack"
+
+    def meet_condition(self, ctx, state, sid):
+        if ctx.is_gpu or ctx.params.get("disable_cpu_packing", 0):
+            return Condition.PASS
+        return Condition.PASS if utils.strided_operand_consumer(state, sid) is None else Condition.APPLY
+
+    def apply(self, ctx, state, sid):
+        target = state.stages[utils.strided_operand_consumer(state, sid)].name
+        s = state.cache_read(sid, "local", [target])
+        tid = s.stage_id(target)
+        return [(s.compute_at(sid + 1, tid, utils.last_reduce_iter_in_outermost_reduce_tile(s.stages[tid])), sid)]
+
+
 def has_cross_thread_reduction(state: State, sid: int) -> bool:
     def check(stage) -> bool:
         return any(it.annotation == "threadIdx.x" and it.kind == "reduce" for it in stage.iters)
@@ -279,7 +297,7 @@ def default_rules(target_kind: str) -> list[SketchRule]:
         return custom + [AddCacheRead(), SpecialComputeLocationGPU(), AlwaysInline(), CrossThreadReduction(),
                          AddCacheWrite(), MultiLevelTilingWithFusion(), MultiLevelTiling(), SkipStage()]
     return custom + [AlwaysInline(), AddRfactor(), AddCacheWrite(), MultiLevelTilingWithFusion(),
-                     MultiLevelTiling(), SkipStage()]
+                     MultiLevelTiling(), AddCacheReadPack(), SkipStage()]
 
 
 @dataclass

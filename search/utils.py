@@ -225,6 +225,33 @@ def last_reduce_iter_in_outermost_reduce_tile(stage: Stage) -> int:
     return next(i for i, it in enumerate(stage.iters) if it.kind == "reduce")
 
 
+def strided_operand_consumer(state: State, sid: int) -> int | None:
+    """The multi-level tiled consumer that walks this operand across rows, if any: it reads the operand's
+    last dimension with its own innermost spatial axis and a reduction axis indexes an earlier dimension
+    (B in C[i, j] += A[i, k] * B[k, j]). Its reduce loop then touches one cache line per row, all a row
+    stride apart, and a power-of-two stride maps them onto a few cache sets; a packed copy per reduce
+    tile (what BLAS libraries do) makes those rows contiguous."""
+    from tasks import te
+    consumers = consumer_ids(state, sid)
+    if len(consumers) != 1 or state.stages[sid].compute_at == "inline":
+        return None
+    target = consumers[0]
+    tstage = state.stages[target]
+    if not needs_multi_level_tiling(state, target) or not is_tiled(tstage) or not tstage.op.axes:
+        return None
+    inner, reduce = tstage.op.axes[-1], set(tstage.op.reduce_axes)
+    body = state.effective_bodies()[tstage.name]
+    loads = [n for n in te.walk(body) if isinstance(n, te.Load) and n.tensor.name == state.stages[sid].name]
+    if not loads:
+        return None
+    for load in loads:
+        last = te.free_vars(load.indices[-1])
+        earlier = set().union(*(te.free_vars(i) for i in load.indices[:-1])) if len(load.indices) > 1 else set()
+        if inner not in last or last & reduce or not earlier & reduce:
+            return None
+    return target
+
+
 def compute_location_candidates(state: State, sid: int) -> list[tuple[int, int]]:
     """(stage, iterator) pairs where stage `sid` may be computed (TVM's GetComputeLocationCandidates)."""
     target = single_consumer_id(state, sid)

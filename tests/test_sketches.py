@@ -16,8 +16,14 @@ def _codes(sketch) -> list[str]:
     return [s.code for s in sketch.state.steps]
 
 
+def _unpacked(sketches):
+    return [s for s in sketches if "CHR" not in _codes(s)]
+
+
 def test_matmul_has_plain_and_cache_write_fused_sketches():
     _, sk = _sketches("matmul", 512, 512, 512)
+    assert len(sk) == 6                                                # each with and without packing B
+    sk = _unpacked(sk)
     assert len(sk) == 3
     plain = [s for s in sk if "CHW" not in _codes(s)]
     cached = [s for s in sk if "CHW" in _codes(s)]
@@ -34,6 +40,8 @@ def test_matmul_has_plain_and_cache_write_fused_sketches():
 
 def test_matmul_bias_relu_fuses_the_elementwise_tail():
     task, sk = _sketches("matmul_bias_relu", 256, 256, 256)
+    assert len(sk) == 6
+    sk = _unpacked(sk)
     assert len(sk) == 3
     for s in sk:
         st = s.state
@@ -51,6 +59,26 @@ def test_conv2d_relu_tiles_the_conv_and_leaves_padding_to_annotation():
         conv = s.state.stage_by_name("conv2d_nchw")
         assert len(conv.iters) == 4 * 4 + 3 * 2                        # 4 spatial axes x 4, 3 reduce x 2
         assert s.state.stage_by_name("pad_temp").compute_at == "root"   # has a branch: not always-inlined
+
+
+def test_cpu_packs_the_operand_the_reduction_walks_across_rows():
+    """B[k, j] of matmul is packed per reduce tile of the tiled stage; A[i, k] is read along k and is not."""
+    _, sk = _sketches("matmul", 512, 512, 512)
+    packed = [s for s in sk if "CHR" in _codes(s)]
+    assert len(packed) == 3
+    for s in packed:
+        st = s.state
+        pack = st.stage_by_name("B.local")
+        tiled = st.stage_by_name(pack.attach[0])
+        assert pack.scope == "local" and tiled.op.reduce_axes
+        assert tiled.iters[tiled.iter_index(pack.attach[1])].name == "k.0"     # the outermost reduce tile
+        assert "A.local" not in [x.name for x in st.stages]
+    # dense reads its weight W[j, k] along k, conv2d NCHW reads both operands with a reduce axis innermost
+    for name, args in (("dense", (1, 512, 1000)), ("conv2d_relu", (1, 56, 56, 64, 64, 3, 3, 1, 1))):
+        assert all("CHR" not in _codes(s) for s in _sketches(name, *args)[1])
+    # NHWC conv reads kernel[ry, rx, rc, ff] along ff, the output's innermost axis
+    _, sk = _sketches("conv2d", 1, 14, 14, 64, 64, 3, 3, 1, 1, 1, "NHWC")
+    assert sum("kernel.local" in [x.name for x in s.state.stages] for s in sk) == 3
 
 
 def test_norm_gets_rfactor_sketches():
