@@ -49,19 +49,25 @@ def test_templates_generalise_across_tile_sizes(measured):
 
 
 def test_model_ranks_held_out_programs_better_than_chance(measured):
+    """4-fold cross-validation: every program is held out once, so one unlucky split of noisy timings
+    cannot decide the verdict."""
     task, cands, costs = measured
     idx = list(range(len(cands)))
     random.Random(0).shuffle(idx)
-    train, held = idx[:72], idx[72:]
-    model = XGBModel(num_warmup_sample=0)
-    model.add(task, [cands[i] for i in train], [costs[i] for i in train])
-    metrics = model.fit()
-    assert metrics is not None and metrics.n_programs == 72 and not math.isnan(metrics.pairwise_accuracy)
-    pred = model.predict(task, [cands[i] for i in held])
-    true = np.array([task.flops / costs[i] if math.isfinite(costs[i]) else 0.0 for i in held])
-    acc = pairwise_accuracy(pred, true)
-    rand = pairwise_accuracy(RandomModel(1).predict(task, [cands[i] for i in held]), true)
-    assert acc > 0.6, f"held-out pairwise accuracy {acc:.2f} (random model: {rand:.2f})"
+    accs, rands = [], []
+    for fold in range(4):
+        held = idx[fold::4]
+        train = [i for i in idx if i not in held]
+        model = XGBModel(num_warmup_sample=0)
+        model.add(task, [cands[i] for i in train], [costs[i] for i in train])
+        metrics = model.fit()
+        assert metrics is not None and metrics.n_programs == len(train) and not math.isnan(metrics.pairwise_accuracy)
+        pred = model.predict(task, [cands[i] for i in held])
+        true = np.array([task.flops / costs[i] if math.isfinite(costs[i]) else 0.0 for i in held])
+        accs.append(pairwise_accuracy(pred, true))
+        rands.append(pairwise_accuracy(RandomModel(fold).predict(task, [cands[i] for i in held]), true))
+    acc, rand = float(np.mean(accs)), float(np.mean(rands))
+    assert acc > 0.6 and acc > rand + 0.05, f"held-out pairwise accuracy {acc:.2f} per fold {accs} (random: {rand:.2f})"
 
 
 def test_model_round_trips_through_bytes(measured):
