@@ -77,8 +77,9 @@ class MeasureResult:
 def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[], None] | None = None,
               warm: bool = False, cutoff_s: float | None = None) -> list[float]:
     """TVM's time_evaluator: warm up, pick `number` so one repeat lasts >= min_repeat_ms, time `repeat`
-    repeats. A kernel whose single run already lasts min_repeat_ms runs once per repeat, and one slower
-    than `cutoff_s` is not timed further (slow candidates should not cost the tuner seconds each).
+    repeats. A kernel whose single run already lasts min_repeat_ms runs once per repeat (the run that
+    found it so counts as the first), and one slower than `cutoff_s` is not timed further (slow
+    candidates should not cost the tuner seconds each).
 
     With `flush_cache`, the cache is flushed before every timed run and a repeat is the mean of `number`
     cold runs (min_repeat_ms does not apply). TVM flushes once per repeat, so only the first of its
@@ -100,12 +101,13 @@ def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[
     once = max(time.perf_counter() - t0, 1e-9)
     if cutoff_s is not None and once > cutoff_s:
         return [once]
+    costs = []
     if once * 1e3 >= cfg.min_repeat_ms:
         number = 1
+        costs.append(once)          # a warm run that already fills a repeat: it is the first repeat
     else:
         number = int(min(max(cfg.number, math.ceil(cfg.min_repeat_ms / 1e3 / once)), 1_000_000))
-    costs = []
-    for _ in range(max(cfg.repeat, 1)):
+    for _ in range(max(cfg.repeat, 1) - len(costs)):
         t0 = time.perf_counter()
         run_n(number)
         costs.append((time.perf_counter() - t0) / number)

@@ -108,7 +108,8 @@ def test_slow_kernels_run_once_per_repeat():
         import time
         time.sleep(0.02 * n)
     costs = time_runs(run, TimingConfig(number=3, repeat=2, min_repeat_ms=10.0), warm=True)
-    assert calls == [1, 1, 1] and len(costs) == 2 and all(c >= 0.02 for c in costs)
+    # the run that showed it fills a repeat is the first repeat: two runs for two repeats
+    assert calls == [1, 1] and len(costs) == 2 and all(c >= 0.02 for c in costs)
 
 
 def _huge(task) -> str:
