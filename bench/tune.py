@@ -2,7 +2,7 @@
 
 Tunes matmul 1024^3, matmul+bias+relu 1024^3, the ResNet-18 conv2d+relu layer and a MobileNet-V2
 depthwise conv, then re-times the best program with more repeats and compares it with NumPy/OpenBLAS or
-PyTorch CPU (same thread count) and the measured FMA peak. Reports search and measurement time
+PyTorch CPU (same thread count, alternating timings) and the measured FMA peak. Reports search and measurement time
 separately and the best-so-far curve; `--ablate` adds the random-model and no-crossover runs at equal
 trials. `--target cuda` runs the GPU benchmark (bench/tune_cuda.py).
 """
@@ -13,7 +13,7 @@ import json
 import statistics
 import time
 
-from bench.common import (blas_info, ensure_clean_blas_env, measure_fma_peak, median_time, print_table,
+from bench.common import (blas_info, ensure_clean_blas_env, measure_fma_peak, paired_ms, print_table,
                           torch_threads, write_json)
 
 WORKLOADS = {
@@ -24,26 +24,26 @@ WORKLOADS = {
 }
 
 
-def reference_ms(key: str, dag, threads: int) -> tuple[str, float]:
-    """The library's time for the same computation on the same inputs."""
+def library_fn(key: str, dag, threads: int) -> tuple[str, object]:
+    """The library's call for the same computation on the same inputs (None when torch is missing)."""
     import numpy as np
     inputs = dag.random_inputs()
     if key == "matmul":
         a, b = inputs
-        return "numpy", median_time(lambda: a @ b) * 1e3
+        return "numpy", lambda: a @ b
     if key == "matmul_bias_relu":
         a, b, bias = inputs
-        return "numpy", median_time(lambda: np.maximum(a @ b + bias, 0)) * 1e3
+        return "numpy", lambda: np.maximum(a @ b + bias, 0)
     torch = torch_threads(threads)
     if torch is None:
-        return "torch", float("nan")
+        return "torch", None
     x, w = (torch.from_numpy(v) for v in inputs)
     if key == "conv2d_relu":
-        return "torch", median_time(lambda: torch.relu(torch.nn.functional.conv2d(x, w, padding=1))) * 1e3
-    return "torch", median_time(lambda: torch.nn.functional.conv2d(x, w, padding=1, groups=w.shape[0])) * 1e3
+        return "torch", lambda: torch.relu(torch.nn.functional.conv2d(x, w, padding=1))
+    return "torch", lambda: torch.nn.functional.conv2d(x, w, padding=1, groups=w.shape[0])
 
 
-def run_one(key: str, trials: int, model: str, crossover: float, measurer, retime, seed: int, per_round: int,
+def run_one(key: str, trials: int, model: str, crossover: float, measurer, seed: int, per_round: int,
             overrides: dict | None = None):
     from codegen.target import make_task
     from flows.tuning import tune_task
@@ -59,10 +59,24 @@ def run_one(key: str, trials: int, model: str, crossover: float, measurer, retim
                                                   f"search {log.search_s + log.train_s:.1f}s measure {log.measure_s:.1f}s",
                                                   flush=True))
     wall = time.perf_counter() - t0
-    (r,) = retime.run(task, retime_builds(task, res.best_steps)) if res.best_steps else (None,)
-    ms = statistics.median(r.costs) * 1e3 if r is not None and r.ok else float("nan")
     per_round_overhead = [x.search_s + x.train_s for x in res.rounds]
-    return task, res, ms, wall, per_round_overhead
+    return task, res, wall, per_round_overhead
+
+
+def retime_against_library(key: str, task, steps: str | None, retime, threads: int) -> tuple[str, float, float, float]:
+    """(library, library ms, our ms, ratio): the best program re-timed in a fresh runner, alternating
+    with the library (bench.common.paired_ms)."""
+    lib, fn = library_fn(key, task.dag, threads)
+    builds = retime_builds(task, steps) if steps else []
+
+    def ours() -> float:
+        if not builds:
+            return float("nan")
+        (r,) = retime.run(task, builds)
+        return statistics.median(r.costs) * 1e3 if r.ok else float("nan")
+    if fn is None:
+        return lib, float("nan"), ours(), float("nan")
+    return (lib, *paired_ms(fn, ours))
 
 
 def retime_builds(task, steps: str):
@@ -118,7 +132,7 @@ def main(argv: list[str]) -> int:
     peak = measure_fma_peak(args.threads)
     print(f"BLAS: {blas_info()}; fp32 FMA peak {peak:.0f} GFLOP/s on {args.threads} threads")
     measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
-    retime = LocalRunner(timeout=60, config=TimingConfig(repeat=7, min_repeat_ms=200))
+    retime = LocalRunner(timeout=60, config=TimingConfig(repeat=3, min_repeat_ms=200))
     overrides = {}
     for item in args.param:
         k, _, v = item.partition("=")
@@ -129,12 +143,13 @@ def main(argv: list[str]) -> int:
         runs += [("random", 0.05, "random model"), ("xgb", 0.0, "no crossover")]
     for key in args.workloads.split(","):
         for model, cross, label in runs:
-            task, res, ms, wall, overhead = run_one(key, args.trials, model, cross, measurer, retime, args.seed,
-                                                    args.per_round, overrides)
-            lib, lib_ms = reference_ms(key, task.dag, args.threads)
+            task, res, wall, overhead = run_one(key, args.trials, model, cross, measurer, args.seed,
+                                                args.per_round, overrides)
+            lib, lib_ms, ms, ratio = retime_against_library(key, task, res.best_steps, retime, args.threads)
             gflops = task.flops / ms / 1e6 if ms == ms else float("nan")
             rows.append({"workload": key, "run": label, "ms": ms, "gflops": gflops, f"{lib}_ms": lib_ms,
-                         "ratio": lib_ms / ms if ms == ms else float("nan"), "vs": lib, "peak_frac": gflops / peak,
+                         "ratio": ratio, "vs": lib, "peak_frac": gflops / peak,
+                         "best_seen_gflops": res.best_gflops,
                          "trials": res.trials, "search_s": res.search_seconds, "measure_s": res.measure_seconds,
                          "wall_s": wall, "max_search_s_per_round": max(overhead) if overhead else 0.0,
                          "median_search_s_per_round": statistics.median(overhead) if overhead else 0.0,
