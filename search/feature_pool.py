@@ -26,6 +26,7 @@ from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 import numpy as np
 
 from search.feature import FeatureExtractor
+from search.memory import paused_gc
 from search.state import State
 from tasks.search_task import SearchTask
 
@@ -156,7 +157,8 @@ def _extract(workload_key: str, task_json: str, jobs: list[tuple[str, str, np.nd
     if ex is None:
         ex = _EXTRACTORS[workload_key] = FeatureExtractor(SearchTask.from_json(task_json))
     out = []
-    for key, steps, numbers in jobs:
-        representative = None if key in ex.templates else State.from_json(ex.task.dag, steps)
-        out.append(ex.evaluate(key, representative, numbers).astype(np.float32))
+    with paused_gc():
+        for key, steps, numbers in jobs:
+            representative = None if key in ex.templates else State.from_json(ex.task.dag, steps)
+            out.append(ex.evaluate(key, representative, numbers).astype(np.float32))
     return out

@@ -18,6 +18,7 @@ import numpy as np
 from search.annotation import InvalidSample, sample_state
 from search.candidate import Candidate, StepsKey
 from search.cost_model import CostModel, RandomModel
+from search.memory import paused_gc
 from search.mutation import (crossover, mutate_auto_unroll, mutate_compute_location, mutate_parallel,
                              mutate_tile_size)
 from search.sketch_rules import Sketch, SketchContext, SketchRule, generate_sketches
@@ -186,6 +187,10 @@ class SketchPolicy:
 
     def next_batch(self, n: int | None = None) -> list[Candidate]:
         """The programs to measure next: evolved best plus eps-greedy random ones, none measured before."""
+        with paused_gc():
+            return self._next_batch(n)
+
+    def _next_batch(self, n: int | None) -> list[Candidate]:
         n = n or self.params.num_measures_per_round
         self.timing = RoundTiming()
         t0 = time.perf_counter()
@@ -231,7 +236,8 @@ class SketchPolicy:
         """Record measurements (seconds per run; inf for failures) and retrain the cost model."""
         for c, cost in zip(cands, costs):
             self._note(c, cost)
-        self.model.update(self.task, list(cands), list(costs))
+        with paused_gc():
+            self.model.update(self.task, list(cands), list(costs))
 
     def preload(self, cands: list[Candidate], costs: list[float]) -> None:
         """Resume: measurements from the history count as measured (and seed the population)."""

@@ -11,6 +11,7 @@ stages and shift later ids.
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -91,6 +92,17 @@ def initial_stage(op: Tensor, scope: str = "global", origin: str = "") -> Stage:
     axes = op.axes + op.reduce_axes
     iters = tuple(Iterator(a.name, a.extent, a.kind, var=a) for a in axes)
     return Stage(op, iters, scope=scope, origin=origin)
+
+
+_INITIAL_STAGES: "weakref.WeakKeyDictionary[ComputeDAG, tuple[Stage, ...]]" = weakref.WeakKeyDictionary()
+
+
+def _initial_stages(dag: ComputeDAG) -> tuple[Stage, ...]:
+    """The naive state's stages, made once per DAG (they are immutable; every replay starts here)."""
+    stages = _INITIAL_STAGES.get(dag)
+    if stages is None:
+        stages = _INITIAL_STAGES[dag] = tuple(initial_stage(t) for t in dag.tensors)
+    return stages
 
 
 def _fresh_copy(op: Tensor, name: str, body_map=None) -> Tensor:
@@ -774,7 +786,7 @@ class State:
 
     def __init__(self, dag: ComputeDAG, stages: tuple[Stage, ...] | None = None, steps: tuple[Step, ...] = ()):
         self.dag = dag
-        self.stages = stages if stages is not None else tuple(initial_stage(t) for t in dag.tensors)
+        self.stages = stages if stages is not None else _initial_stages(dag)
         self.steps = steps
         self._analysis = None
 
