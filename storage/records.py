@@ -136,8 +136,10 @@ class RecordStore:
                          _match("network", network), _match("flow_run_id", flow_run_id),
                          _time_range(since, until))
         scan_columns = list(dict.fromkeys([*wanted, "timestamp"]))
-        table = self._scanner.scan(scan_columns, filter, _targets(target),
-                                   since_day=_utc(since).date().isoformat() if since else None)
+        # no pruning of date= partitions by `since`: a partition is the day its file was written, and a
+        # record's timestamp may be later (another host's clock, imported records); the filter skips
+        # row groups by their timestamp statistics instead
+        table = self._scanner.scan(scan_columns, filter, _targets(target))
         frame = table.to_pandas()
         frame = frame.sort_values("timestamp", kind="stable").reset_index(drop=True)
         return frame[wanted]

@@ -88,15 +88,14 @@ class Scanner:
                                 "again when they have finished")
 
     def scan(self, columns: Sequence[str], filter: pc.Expression | None = None,
-             targets: Sequence[str] | None = None, since_day: str | None = None,
-             leaders: bool = False) -> pa.Table:
+             targets: Sequence[str] | None = None, leaders: bool = False) -> pa.Table:
         """Rows of the matching files, with `columns` (missing-in-old-files columns defaulted).
 
         `leaders` reads only row group 0 of compaction outputs: the best row of each (task, network)
         in that file, which is all the best-record query needs from it.
         """
         for _ in range(_ATTEMPTS):
-            files = [f for f in self.snapshot(targets) if since_day is None or f.date >= since_day]
+            files = self.snapshot(targets)
             try:
                 table = self._scan(files, columns, filter, leaders)
             except (pa.ArrowException, OSError):

@@ -92,3 +92,15 @@ def test_resume_and_training_rows(store):
     assert (key, flops, code) == ("b", 1e9, 0) and latency in (5e-3, 6e-3)
     records = store.load_records(flow_run_id="run-2")
     assert [r.round for r in records] == [0, 1, 1]
+
+
+def test_since_finds_records_stamped_after_the_day_their_file_was_written(tmp_path):
+    """Partitions are the day a file was written; a record's own timestamp can be later (another host's
+    clock, imported records), and `since` must still find it."""
+    store = RecordStore(str(tmp_path), auto_compact=None)
+    late = datetime(2030, 1, 2, tzinfo=timezone.utc)
+    store.append([_r("a", 1e-3), MeasureRecord(workload_key="a", task_name="task-a", target="llvm", steps="[late]",
+                                               timestamp=late, latencies=[2e-3], flops=1e9)])
+    found = store.read(since=datetime(2030, 1, 1, tzinfo=timezone.utc))
+    assert found["steps"].tolist() == ["[late]"]
+    assert len(store.read(until=datetime(2030, 1, 1, tzinfo=timezone.utc))) == 1
