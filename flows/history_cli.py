@@ -42,7 +42,8 @@ def history(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None
         return
     frame = _query(lambda: store.history(task, target=target, network=network,
                                          per="round" if per_round else "run"))
-    columns = [("target", "target", str), ("task", "task_name", str), ("flow run", "flow_run_id", str)]
+    columns = [("target", "target", str), ("task", "task_name", str), ("workload key", "workload_key", _short),
+               ("flow run", "flow_run_id", str)]
     if per_round:
         columns.append(("round", "round", str))
     columns += [("start", "start", _time), ("records", "n_records", str), ("errors", "n_errors", str),

@@ -48,3 +48,19 @@ def test_empty_and_broken_stores(tmp_path):
     fixed = runner.invoke(app, ["history", "--records", str(tmp_path), "--quarantine"])
     assert fixed.exit_code == 0 and (tmp_path / "_quarantine" / "stray.txt").exists()
     assert "warning" in fixed.output and "moved 1 bad file" in fixed.output
+
+
+def test_network_and_target_filters_show_only_their_tasks(tmp_path):
+    _store(tmp_path)
+    frame = RecordStore(str(tmp_path)).best_per_task()
+    networks = sorted(frame["network"].unique())
+    assert len(networks) >= 2                      # tasks of different networks, or the filter shows nothing
+    for net in networks:
+        out = runner.invoke(app, ["best", "--records", str(tmp_path), "--network", net], env={"COLUMNS": "200"})
+        assert out.exit_code == 0, out.output
+        for name, their in zip(frame["task_name"], frame["network"]):
+            assert (name in out.output) == (their == net), (net, name, out.output)
+        runs = runner.invoke(app, ["history", "--records", str(tmp_path), "--network", net], env={"COLUMNS": "200"})
+        assert runs.exit_code == 0 and "run-0" in runs.output and net in runs.output
+    other = runner.invoke(app, ["best", "--records", str(tmp_path), "--target", "cuda -arch=sm_90"])
+    assert other.exit_code == 0 and "no records" in other.output
