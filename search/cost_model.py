@@ -97,6 +97,7 @@ class XGBModel(CostModel):
         self.booster = None
         self.features = features or Featurizer()    # pass one in to share templates across versions
         self.data: dict[str, list[tuple[np.ndarray, float]]] = {}   # workload key -> [(features, throughput)]
+        self.unseen: dict[str, int] = {}    # workload key -> rows added since the booster was trained
         self.metrics: TrainingMetrics | None = None
         self.version = 0
         self._fallback = RandomModel(seed)
@@ -109,6 +110,7 @@ class XGBModel(CostModel):
         for f, c in zip(feats, costs):
             thr = task.flops / c if c and math.isfinite(c) and c > 0 else 0.0
             rows.append((f.astype(np.float32), thr))
+        self.unseen[task.workload_key] = self.unseen.get(task.workload_key, 0) + len(feats)
 
     def update(self, task, states, costs) -> None:
         self.add(task, states, costs)
@@ -163,30 +165,30 @@ class XGBModel(CostModel):
         return pack_sum(preds, pack_ids, len(feats))
 
     def fit(self) -> TrainingMetrics | None:
-        """Retrain from all data; measure held-out ranking quality on a split first."""
+        """Retrain from all data, after measuring how well the current booster ranks the programs
+        measured since it was trained: data it has never seen, and the ones the search chose by it
+        (TVM reports no such figure). Before there is a booster, a model fitted on 80% ranks the rest."""
         if self.n_programs < 8:
             return None
         data = self._normalised()
-        rng = random.Random(self.seed + self.version)
-        train, held = [], {}
-        for key, rows in data.items():
-            idx = list(range(len(rows)))
-            rng.shuffle(idx)
-            n_held = int(len(rows) * self.holdout) if len(rows) >= 10 else 0
-            held[key] = [rows[i] for i in idx[:n_held]]
-            train += [rows[i] for i in idx[n_held:]]
         acc, rec = [], []
-        if any(held.values()):
-            booster = self._train(train)
-            for rows in held.values():
-                if len(rows) < 2:
-                    continue
-                pred = self._predict_rows(booster, [f for f, _ in rows])
-                true = np.array([t for _, t in rows])
-                acc.append(pairwise_accuracy(pred, true))
-                rec.append(recall_at_k(pred, true, self.k))
+        fresh = {key: rows[len(rows) - self.unseen.get(key, 0):] for key, rows in data.items()}
+        if self.booster is not None and any(len(rows) >= 2 for rows in fresh.values()):
+            self._rank(self.booster, fresh, acc, rec)
+        else:
+            rng = random.Random(self.seed + self.version)
+            train, held = [], {}
+            for key, rows in data.items():
+                idx = list(range(len(rows)))
+                rng.shuffle(idx)
+                n_held = int(len(rows) * self.holdout) if len(rows) >= 10 else 0
+                held[key] = [rows[i] for i in idx[:n_held]]
+                train += [rows[i] for i in idx[n_held:]]
+            if any(held.values()):
+                self._rank(self._train(train), held, acc, rec)
         all_rows = [r for rows in data.values() for r in rows]
         self.booster = self._train(all_rows)
+        self.unseen = {}
         pred = self._predict_rows(self.booster, [f for f, _ in all_rows])
         true = np.array([t for _, t in all_rows])
         self.version += 1
@@ -198,6 +200,16 @@ class XGBModel(CostModel):
                  "recall@%d %.3f", self.version, self.metrics.n_programs, self.metrics.n_tasks,
                  self.metrics.pairwise_accuracy, self.k, self.metrics.recall_at_k)
         return self.metrics
+
+    def _rank(self, booster, held: dict[str, list[tuple[np.ndarray, float]]], acc: list, rec: list) -> None:
+        """Pairwise accuracy and recall@k of the booster on each task's held-out programs."""
+        for rows in held.values():
+            if len(rows) < 2:
+                continue
+            pred = self._predict_rows(booster, [f for f, _ in rows])
+            true = np.array([t for _, t in rows])
+            acc.append(pairwise_accuracy(pred, true))
+            rec.append(recall_at_k(pred, true, self.k))
 
     # ------------------------------------------------------------------ prediction
 
