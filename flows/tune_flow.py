@@ -226,25 +226,31 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
                                   f"{shown} on {target}: {done}/{trials} trials, {s.rounds} rounds, estimated "
                                   + (f"{est * 1e3:.4f} ms" if math.isfinite(est) else "latency n/a yet"))
 
-    for i in s.sched.warmup_order():
-        if done >= trials:
-            break
-        one(i)
-    s.sched.after_warmup()
-    while done < trials:
-        if latency_target_ms is not None and s.estimate() * 1e3 <= latency_target_ms:
-            log.info(f"estimated latency {_ms(s.estimate())} meets the target of {latency_target_ms} ms: stopping")
-            break
-        i = s.sched.next_task()
-        if i is None:
-            log.info("every task is exhausted or dead: stopping early")
-            break
-        one(i)
+    stopped = ""
+    try:
+        for i in s.sched.warmup_order():
+            if done >= trials:
+                break
+            one(i)
+        s.sched.after_warmup()
+        while done < trials:
+            if latency_target_ms is not None and s.estimate() * 1e3 <= latency_target_ms:
+                stopped = f"the estimate {_ms(s.estimate())} meets the target of {latency_target_ms} ms"
+                break
+            i = s.sched.next_task()
+            if i is None:
+                stopped = "every task is exhausted or dead"
+                break
+            one(i)
+    finally:
+        # a run that fails mid-way still shows what it measured (every batch is in the store already)
+        rows = s.rows()
+        artifacts.publish_task_table(network, target, rows)
+        artifacts.publish_estimate(network, target, rows, before, store.location.url, s.model.version)
+    if stopped:
+        log.info(f"{stopped}: stopping after {done} of {trials} trials")
     artifacts.update_progress(progress, trials, trials, f"{shown} on {target}: done, {done} trials in "
-                              f"{s.rounds} rounds")
-    rows = s.rows()
-    artifacts.publish_task_table(network, target, rows)
-    artifacts.publish_estimate(network, target, rows, before, store.location.url, s.model.version)
+                              f"{s.rounds} rounds" + (f" (stopped early: {stopped})" if stopped else ""))
     weights = [t.weight for t in tasks]
     summary = {"network": network, "target": target, "flow_run_id": flow_run_id, "records": store.location.url,
                "trials": done, "rounds": s.rounds, "model_version": s.model.version,

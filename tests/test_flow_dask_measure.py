@@ -156,3 +156,25 @@ def test_a_worker_killed_mid_round_costs_retries_not_records(cluster, task):
     assert len(results) == len(steps)
     assert all(r.ok for r in results), [r.error_msg for r in results if not r.ok]
     assert killed not in cluster.run(os.getpid).values()        # that worker is gone (the nanny made a new one)
+
+
+def test_one_timing_at_a_time_per_node_while_builds_run_in_parallel(task):
+    """One worker with two threads and measure-cpu=1 (the deploy spec of a CPU node): the resource
+    keeps timings apart (a timing must not share the node), while builds use both threads."""
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=True, resources={"measure-cpu": 1},
+                      dashboard_address=None, host="127.0.0.1") as c, Client(c, set_as_default=False) as client:
+        slow = TimingConfig(min_repeat_ms=30, repeat=2)
+        with get_task_stream(client=client) as stream:
+            results = DaskMeasurer(client, timing=slow).measure(task, programs(task, 8, seed=5))
+        assert sum(r.ok for r in results) >= 6, [r.error_msg[:200] for r in results]
+
+        def spans(prefix: str) -> list[tuple[float, float]]:
+            return sorted((s["start"], s["stop"]) for t in stream.data if str(t["key"]).startswith(prefix)
+                          for s in t["startstops"] if s["action"] == "compute")
+        runs, builds = spans("run-"), spans("build-")
+        assert len(runs) == len(builds) == 8
+        # never two timings at once (a timing lasts >= 60 ms; Dask stamps a task's stop a few ms after
+        # its function returned and the resource was freed, hence the 10 ms slack)
+        assert all(b[0] >= a[1] - 0.01 for a, b in zip(runs, runs[1:])), runs
+        assert any(b[0] < a[1] for a, b in zip(builds, builds[1:])), builds            # builds overlapped
+        assert min(r[0] for r in runs) >= max(b[1] for b in builds)                    # no build beside a timing

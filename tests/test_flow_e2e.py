@@ -78,7 +78,7 @@ def test_tune_command_runs_the_flow_and_the_ui_shows_its_artifacts(server, tmp_p
     match = re.search(r"Prefect UI: (http://127\.0\.0\.1:\d+/runs/flow-run/([0-9a-f-]{36}))", proc.stdout)
     assert match, proc.stdout[-3000:]
     url, run_id = match.groups()
-    flow_run, found = _read_back(server, run_id)
+    flow_run, found, _ = _read_back(server, run_id)
     assert flow_run.state.is_completed()
     assert {a.type for a in found} >= {"progress", "table", "markdown"}
 
@@ -198,6 +198,6 @@ def test_deployments_nightly_cron_schedules_runs_and_a_worker_runs_one(server, t
     out = _prefect(server, "deployment", "run", "tune-network/on-demand", "--params", json.dumps(params))
     run_id = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
     _prefect(server, "worker", "start", "--pool", "tensortune", "--run-once", timeout=600)
-    flow_run, found = _read_back(server, run_id)
+    flow_run, found, _ = _read_back(server, run_id)
     assert flow_run.state.is_completed(), flow_run.state
     assert {a.type for a in found} >= {"progress", "table", "markdown"}

@@ -5,6 +5,7 @@ API, cost models are stored with metrics, and a second run resumes from the hist
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import numpy as np
@@ -61,11 +62,13 @@ def read_back(flow_run_id):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
     flow_run_id = UUID(str(flow_run_id))
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(flow_run_id)
         found = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
-    return run, found
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return run, found, task_runs
 
 
 def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, prefect_api, cluster):
@@ -98,8 +101,14 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     assert first["trials"] == 32 and first["rounds"] == 4
 
     # the flow run and its artifacts, read back through the Prefect API
-    flow_run, found = read_back(state.state_details.flow_run_id)
-    assert flow_run.state.is_completed() and flow_run.name.startswith("mlp-llvm-")
+    flow_run, found, task_runs = read_back(state.state_details.flow_run_id)
+    assert flow_run.state.is_completed() and re.fullmatch(r"mlp-llvm-\d{4}-\d\d-\d\d-\d{4}", flow_run.name)
+    # one Prefect task run per step and per round (not per candidate), all Completed
+    names = sorted(t.name for t in task_runs)
+    assert all(t.state.is_completed() for t in task_runs), [(t.name, t.state.type) for t in task_runs]
+    assert any(n.startswith("extract-tasks") for n in names) and any(n.startswith("load-history") for n in names)
+    assert {"retrain-start", "retrain-r2", "retrain-r4"} <= set(names), names
+    assert sum(n.startswith("search-r") for n in names) == 4 and sum(n.startswith("measure-r") for n in names) == 4
     by_type = {a.type: a for a in found}
     assert set(by_type) >= {"progress", "table", "markdown"}
     assert float(by_type["progress"].data) == 100.0
@@ -112,7 +121,11 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     # cost models: retrained every 2 rounds from the store, versioned, with metrics
     models = ModelStore(records).list()
     assert len(models) == 2 and (models["record_count"] == [16, 32]).all()
-    assert "metric.pairwise_accuracy" in models and set(frame["model_version"]) - {""} <= set(models["version"])
+    assert "metric.pairwise_accuracy" in models
+    # rounds 0-1 ran before any model existed; rounds 2-3 used the one trained from their 16 records
+    first_model = models.loc[models["record_count"] == 16, "version"].iloc[0]
+    assert set(frame.loc[frame["round"] < 2, "model_version"]) == {""}
+    assert set(frame.loc[frame["round"] >= 2, "model_version"]) == {first_model}
 
     # second run: resumes; measures no program twice and starts from the stored best
     state2 = tune_network_flow(network, trials=16, records=records, cluster=address, return_state=True, **SMALL)
