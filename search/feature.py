@@ -624,7 +624,7 @@ class FeatureTemplate:
                 "gpu": {a: i for i, a in enumerate(ann) if a in _GPU_AXES},
                 "vthread": [i for i, a in enumerate(ann) if a == "vthread"],
                 "unroll": next((u for _, _, u in reversed(s.loops) if u is not None), None),
-                "accesses": []}
+                "accesses": [], "spans": []}
         plan["loop_rows"] = np.array([self._ext_rows[v] for v, _, _ in s.loops], dtype=np.intp)
         plan["shape_rows"] = [np.array([self._shape_rows[(acc.buffer, d)] for d in range(len(acc.dims))],
                                        dtype=np.intp) for acc in s.accesses]
@@ -647,6 +647,11 @@ class FeatureTemplate:
                     break
             reuse = next((i for i in range(n - 1, -1, -1) if not self._uses(acc, s.loops[i][0])), None)
             plan["accesses"].append((dims, stride, reuse))
+            # every (dim, loop, coefficient) of the access at once, for one vectorised span computation
+            terms = [(d, k, c) for d, (ts, _) in enumerate(dims) for k, c in ts]
+            plan["spans"].append((np.array([d for d, _, _ in terms], dtype=np.intp),
+                                  np.array([k for _, k, _ in terms], dtype=np.intp), [c for _, _, c in terms],
+                                  [(d, lin) for d, (_, lin) in enumerate(dims) if lin.atoms]))
         s._plan = plan
         return plan
 
@@ -675,25 +680,20 @@ class FeatureTemplate:
         out[row + 7] = E[plan["vthread"]].prod(axis=0) if plan["vthread"] else 1.0
         # ---- buffer accesses: touched elements at every level (loops i.. vary), i = 0..n
         touched, region0, shapes = [], [], []
-        for acc, (dims, _, _), rows in zip(s.accesses, plan["accesses"], plan["shape_rows"]):
+        for acc, rows, (dim_of, loop_of, coefs, atom_dims) in zip(s.accesses, plan["shape_rows"], plan["spans"]):
             shapes.append(all_shapes[rows])
-            t = np.ones((n + 1, m))
-            r0 = []
-            for terms, lin in dims:
-                contrib = np.zeros((n + 1, m))
-                if terms:
-                    ks = [k for k, _ in terms]
-                    coef = np.empty((len(terms), m))
-                    for j, (_, c) in enumerate(terms):
-                        coef[j] = self._value(c, vals)
-                    contrib[ks] = np.abs(coef) * (E[ks] - 1)
-                span = np.cumsum(contrib[::-1], axis=0)[::-1]
-                if lin.atoms:
-                    span = span + self._atom_suffix(lin, s.loops, m)
-                t *= span + 1
-                r0.append(span[0] + 1)
-            touched.append(t)
-            region0.append(r0)
+            # span[d, i]: how far index dim d moves while loops i.. vary (outer ones fixed)
+            contrib = np.zeros((len(acc.dims), n + 1, m))
+            if coefs:
+                coef = np.empty((len(coefs), m))
+                for j, c in enumerate(coefs):
+                    coef[j] = self._value(c, vals)
+                contrib[dim_of, loop_of] = np.abs(coef) * (E[loop_of] - 1)
+            span = np.cumsum(contrib[:, ::-1], axis=1)[:, ::-1]
+            for d, lin in atom_dims:
+                span[d] += self._atom_suffix(lin, s.loops, m)
+            touched.append(np.prod(span + 1, axis=0))
+            region0.append(list(span[:, 0] + 1))
         eb = np.array([acc.ele_bytes for acc in s.accesses], dtype=np.float64)
         mem = np.tensordot(eb, np.array(touched), axes=1) if touched else np.zeros((n + 1, m))   # [n+1, m]
         buf_feats, keys = [], []
