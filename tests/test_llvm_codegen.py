@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import pytest
 
 from codegen.llvm_backend import LLVMKernel, assembly, build
 from codegen.llvm_codegen import generate_llvm_ir
@@ -23,17 +24,38 @@ def _register_tiled_matmul(n: int = 128) -> State:
     return s.compute_at("C.local", "C", 0)
 
 
-def test_vectorized_kernel_uses_512_bit_registers():
-    target = parse_target("llvm")
-    if "+avx512f" not in target.features:
-        import pytest
-        pytest.skip("host has no AVX-512")
+@pytest.mark.parametrize("cpu, features, lanes, register", [
+    ("skylake-avx512", "+avx,+avx2,+fma,+avx512f,+avx512bw,+avx512vl,+avx512dq", 16, "zmm"),
+    ("znver3", "+avx,+avx2,+fma", 8, "ymm")])
+def test_vectorized_loops_use_the_targets_vector_width(cpu, features, lanes, register):
+    """Compiled for an AVX-512 and an AVX2 CPU (whatever this host is): the 32-wide vectorized loop is
+    emitted as native vectors of the target's width, and the register tile lives in its registers."""
+    target = parse_target(f"llvm -mcpu={cpu} -mattr={features}")
     ir = generate_llvm_ir(lower(_register_tiled_matmul()), target.cpu, target.features)
-    # the 32-wide vectorized loop is emitted as two native 16-float vectors
-    assert "<16 x float>" in ir and "<32 x float>" not in ir and "llvm.fmuladd" in ir
+    assert f"<{lanes} x float>" in ir and "<32 x float>" not in ir and "llvm.fmuladd" in ir
     asm = assembly(ir, target)
-    assert re.search(r"\bzmm\d+\b", asm), "expected 512-bit zmm registers in the register tile"
-    assert "vfmadd" in asm
+    assert re.search(rf"\bvfmadd\w+\s+%{register}\d+", asm), f"expected FMAs on {register} registers"
+    wider = {"ymm": "zmm"}.get(register)
+    assert wider is None or wider not in asm
+
+
+def test_kernel_buffers_are_noalias():
+    ir = generate_llvm_ir(lower(_register_tiled_matmul()), "generic", "")
+    kernel = next(line for line in ir.splitlines() if line.startswith("define") and "@default_function(" in line)
+    assert kernel.count("ptr noalias") == 3                      # A, B and C
+    body = next(line for line in ir.splitlines() if line.startswith("define") and "_par1_body" in line)
+    assert body.count("ptr noalias") == 3                        # the parallel body's too
+
+
+def test_auto_unroll_pragma_unrolls_short_loops_only_when_asked():
+    def tiled(depth: int) -> str:
+        s = State(make_dag("matmul", 32, 32, 32)).split("C", 1, [8]).split("C", 3, [4])
+        s = s.reorder("C", [0, 1, 3, 4, 2]).pragma("C", 0, f"auto_unroll_max_step${depth}")
+        return lower(s).text()
+    # TVM's rule: a loop unrolls when its steps times those of the loops inside it fit the budget
+    assert '"unroll"' not in tiled(0)
+    assert tiled(8).count('"unroll"') == 2 and 'k.1, 0, 4) "unroll"' not in tiled(8)   # j.1: 8; k.1: 32
+    assert tiled(64).count('"unroll"') == 3 and 'k.1, 0, 4) "unroll"' in tiled(64)     # k.0: 256 stays
 
 
 def test_register_tiled_matmul_is_correct():
@@ -44,6 +66,16 @@ def test_parallel_loops_run_on_the_gomp_pool():
     s = _register_tiled_matmul()
     ir = generate_llvm_ir(lower(s), "generic", "")
     assert "@GOMP_parallel" in ir and "define internal void @default_function_par1" in ir
+    # the pool persists: after the first call, further calls start no new threads
+    import os
+    kernel = LLVMKernel(build(s))
+    dag = s.dag
+    args = dag.random_inputs() + dag.empty_outputs()
+    kernel(*args)
+    threads = len(os.listdir("/proc/self/task"))
+    for _ in range(20):
+        kernel(*args)
+    assert len(os.listdir("/proc/self/task")) == threads
 
 
 def test_kernel_is_reusable_and_checks_arguments():
@@ -57,3 +89,23 @@ def test_kernel_is_reusable_and_checks_arguments():
     import pytest
     with pytest.raises(ValueError, match=r"argument C must be float32\[64, 64\]"):
         k(a, b, np.zeros((64, 63), np.float32))
+
+
+def test_a_guarded_register_tile_keeps_its_accumulators_out_of_memory():
+    """An imperfect split of the vectorized axis (100 columns in 24-wide tiles) guards the tile's stores:
+    into the thread's own stack buffer they become select + plain store, which LLVM keeps in registers
+    across the reduction loop; masked stores stay only for the copy out to the argument."""
+    s = State(make_dag("matmul", 64, 100, 64)).cache_write("C", "local")
+    s = s.split("C.local", 0, [4]).split("C.local", 2, [24]).split("C.local", 4, [16])
+    s = s.reorder("C.local", [0, 2, 4, 1, 5, 3]).unroll("C.local", 4).vectorize("C.local", 5)
+    s = s.split("C", 0, [16]).split("C", 2, [48]).reorder("C", [0, 2, 1, 3]).fuse("C", [0, 1])
+    s = s.parallel("C", 0).vectorize("C", 2).compute_at("C.local", "C", 0)
+    target = parse_target("llvm")
+    ir = generate_llvm_ir(lower(s), target.cpu, target.features)
+    base_of = dict(re.findall(r"(%p\d+) = getelementptr inbounds \w+, ptr (%\w+),", ir))
+    stack = set(re.findall(r"(%buf\d+) = alloca", ir))
+    masked = [base_of.get(p) for p in re.findall(r"@llvm\.masked\.store\.\S+\(<\d+ x float> \S+, ptr (%\w+),", ir)]
+    blended = [base_of.get(p) for p in re.findall(r"store <\d+ x float> %blend\d+, ptr (%\w+)", ir)]
+    assert stack and masked and blended
+    assert not set(masked) & stack and set(blended) <= stack
+    check_state(s)
