@@ -2,7 +2,9 @@
 reused safely, best records are applied (and bad ones fall back), and the CLI commands work."""
 from __future__ import annotations
 
+
 import json
+import re
 
 import numpy as np
 import pytest
@@ -112,6 +114,13 @@ def test_cli_extract(tmp_path):
     assert out.exit_code == 0, out.output
     assert "resnet-18: 18 tasks from 23 subgraphs" in out.output
     assert "conv2d_bias_add_relu" in out.output and "2x512x2x2" in out.output
+    # weights and FLOPs: the stem conv runs once, the 64-channel residual convs twice each
+    rows = {int(m[0]): m for m in re.findall(r"│\s+(\d+) │ (\S+)\s+│\s+(\d+) │ (\S+)\s+│\s+([\d.]+) │\s+([\d.]+) │",
+                                              out.output)}
+    assert len(rows) == 18 and rows[0][1] == "conv2d_bias_relu" and rows[0][2] == "1" and rows[3][2] == "2"
+    assert all(float(r[5]) == pytest.approx(int(r[2]) * float(r[4]) / 1e3, abs=2e-3) for r in rows.values())
+    total = float(re.search(r"total: ([\d.]+) GFLOP per run", out.output)[1])
+    assert total == pytest.approx(sum(float(r[5]) for r in rows.values()), abs=0.01)
     bad = runner.invoke(app, ["extract", "resnet-18", "--seq-len", "8"])
     assert bad.exit_code == 1 and "does not take seq_len" in bad.output
     missing = runner.invoke(app, ["extract", str(tmp_path / "model.onnx")])

@@ -102,6 +102,9 @@ def test_tune_network_takes_a_network_and_its_records_run_it(tmp_path, measurer)
     net, tasks = network_tasks(graph)
     assert [t.workload_key for t in res.tasks] == [t.workload_key for t in tasks] and len(tasks) == 2
     assert res.trials == 16 and math.isfinite(res.estimated_latency)
+    # the task scheduler chose: a warm-up round per task, then its strategy (4 trials per round)
+    assert len(res.decisions) == 2 and all(why in ("round-robin", "eps-greedy", "tie") or why.startswith("gradient")
+                                           for _, why in res.decisions)
     frame = store.read()
     assert len(frame) == 16 and set(frame["network"]) == {"mlp"}
     best = {t.workload_key: s for t, s in zip(res.tasks, res.best_steps)}
