@@ -11,7 +11,7 @@ import argparse
 import json
 import time
 
-from bench.common import ensure_clean_blas_env, median_time, print_table, torch_threads, write_json
+from bench.common import ensure_clean_blas_env, paired_ms, print_table, torch_threads, write_json
 
 NETWORK_OPTIONS = {
     "resnet-18": {},
@@ -103,30 +103,43 @@ def torch_model(name: str, torch, options: dict):
             return self.ln2(x + self.ff2(nn.functional.gelu(self.ff1(x))))
 
     class Bert(nn.Module):
-        def __init__(self, layers):
-            super().__init__()
-            self.layers = nn.Sequential(*[BertLayer() for _ in range(layers)])
+        """Like tasks.models.bert: embeddings (word lookup, position, token type, LayerNorm), the
+        encoder layers and the pooler, so both sides compute the same network."""
 
-        def forward(self, x):
-            return self.layers(x)
+        def __init__(self, layers, hidden=768, vocab=30522, positions=512):
+            super().__init__()
+            self.word = nn.Embedding(vocab, hidden)
+            self.position = nn.Parameter(torch.randn(positions, hidden) * 0.02)
+            self.token_type = nn.Parameter(torch.randn(hidden) * 0.02)
+            self.ln = nn.LayerNorm(hidden)
+            self.layers = nn.Sequential(*[BertLayer() for _ in range(layers)])
+            self.pool = nn.Linear(hidden, hidden)
+
+        def forward(self, ids):
+            x = self.ln(self.word(ids) + self.position[:ids.shape[1]] + self.token_type)
+            x = self.layers(x)
+            return x, torch.tanh(self.pool(x[:, 0]))
 
     if name == "resnet-18":
-        return ResNet18().eval(), (1, 3, 224, 224)
+        return ResNet18().eval(), torch.randn(1, 3, 224, 224)
     if name == "mobilenet-v2":
-        return MobileNetV2().eval(), (1, 3, 224, 224)
+        return MobileNetV2().eval(), torch.randn(1, 3, 224, 224)
     if name == "bert-base":
-        return Bert(options.get("num_layers", 1)).eval(), (1, options.get("seq_len", 128), 768)
+        return Bert(options.get("num_layers", 1)).eval(), torch.randint(0, 30522, (1, options.get("seq_len", 128)))
     raise ValueError(f"no PyTorch model for {name}")
 
 
-def torch_ms(name: str, threads: int, options: dict) -> float:
+def torch_fn(name: str, threads: int, options: dict):
+    """The PyTorch model's forward pass on a random input (None when torch is not installed)."""
     torch = torch_threads(threads)
     if torch is None:
-        return float("nan")
-    model, shape = torch_model(name, torch, options)
-    x = torch.randn(*shape)
-    with torch.no_grad():
-        return median_time(lambda: model(x), min_seconds=1.0) * 1e3
+        return None
+    model, x = torch_model(name, torch, options)
+
+    def forward():
+        with torch.no_grad():
+            return model(x)
+    return forward
 
 
 # ---------------------------------------------------------------------------------- tensortune
@@ -142,11 +155,11 @@ def run(name: str, trials: int, strategy: str, seed: int, options: dict, measure
     return net, tasks, res, time.perf_counter() - t0
 
 
-def network_latency(net, records: dict | None) -> tuple[float, bool]:
+def compiled_network(net, records: dict | None):
+    """(the network built from these records, whether it matches the graph's NumPy reference)."""
     from codegen.network_runtime import build_network
     compiled = build_network(net, records)
-    ok = compiled.check().passed
-    return compiled.benchmark(repeat=20).median_ms, ok
+    return compiled, compiled.check().passed
 
 
 def trials_to_reach(curve, target: float) -> int | None:
@@ -172,24 +185,36 @@ def main(argv: list[str]) -> int:
         options = NETWORK_OPTIONS.get(name, {})
         measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
         net, tasks, grad, wall = run(name, args.trials, "gradient", args.seed, options, measurer)
-        default_ms, ok_default = network_latency(net, None)
+        default, ok_default = compiled_network(net, None)
         best = {t.workload_key: s for t, s in zip(tasks, grad.best_steps) if s}
-        tuned_ms, ok_tuned = network_latency(net, best)
-        row = {"network": name, "tasks": len(tasks), "trials": grad.trials, "default_ms": default_ms,
-               "tuned_ms": tuned_ms, "torch_ms": torch_ms(name, args.threads, options),
+        tuned, ok_tuned = compiled_network(net, best)
+        # default, tuned and PyTorch timed in turn (bench.common.paired_ms), medians of five
+        forward = torch_fn(name, args.threads, options)
+        timed = {}
+        for label, compiled in (("default", default), ("tuned", tuned)):
+            ours = lambda c=compiled: c.benchmark(repeat=5).median_ms   # noqa: E731
+            timed[label] = paired_ms(forward, ours) if forward is not None else (float("nan"), ours(), float("nan"))
+        row = {"network": name, "tasks": len(tasks), "trials": grad.trials, "default_ms": timed["default"][1],
+               "tuned_ms": timed["tuned"][1], "torch_ms": timed["tuned"][0],
                "checked": ok_default and ok_tuned, "tune_wall_s": wall,
                "est_latency_ms": grad.estimated_latency * 1e3, "gradient_curve": grad.curve}
-        row["speedup_vs_torch"] = row["torch_ms"] / tuned_ms
+        row["speedup_vs_torch"] = timed["tuned"][2]
+        row["default_vs_torch"] = timed["default"][2]
         if not args.no_round_robin:
             _, _, rr, _ = run(name, args.trials, "round-robin", args.seed, options, measurer)
             target = rr.curve[-1][1]
+            reached = trials_to_reach(grad.curve, target)
             row["rr_final_objective_ms"] = target * 1e3
-            row["gradient_trials_to_rr_final"] = trials_to_reach(grad.curve, target)
+            row["gradient_final_objective_ms"] = grad.curve[-1][1] * 1e3
+            row["rr_trials"] = rr.trials
+            row["gradient_trials_to_rr_final"] = reached
+            row["gradient_needs_fewer_trials"] = reached is not None and reached < rr.trials
             row["rr_curve"] = rr.curve
         measurer.close()
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("curve")}), flush=True)
-    print_table(rows, ["network", "tasks", "trials", "default_ms", "tuned_ms", "torch_ms", "speedup_vs_torch",
-                       "checked", "rr_final_objective_ms", "gradient_trials_to_rr_final"])
+    print_table(rows, ["network", "tasks", "trials", "default_ms", "tuned_ms", "torch_ms", "default_vs_torch",
+                       "speedup_vs_torch", "checked", "gradient_final_objective_ms", "rr_final_objective_ms",
+                       "rr_trials", "gradient_trials_to_rr_final"])
     write_json(args.json, rows)
     return 0
