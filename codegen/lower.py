@@ -353,6 +353,9 @@ class _Lowering:
         return LoweredFunc(name, args, body, self.state.dag.flop_ct)
 
 
+VECTOR_STEP_LANES = 16
+
+
 def _mark_unroll(s: Stmt) -> Stmt:
     """TVM's UnrollLoop: under auto_unroll_max_step, unroll a loop when everything inside it is unrolled
     and extent x statements stays within the limit; `unroll` annotations always unroll."""
@@ -365,7 +368,9 @@ def _mark_unroll(s: Stmt) -> Stmt:
             if s.kind == "unroll":
                 return count * s.extent, normal
             if s.kind == "vectorize":
-                return count, normal
+                # up to VECTOR_STEP_LANES lanes is one step (TVM's annotation never vectorizes wider);
+                # a wider loop (a packing copy's whole row) becomes that many native operations
+                return count * -(-s.extent // VECTOR_STEP_LANES), normal
             if (s.kind == "serial" and step > 0 and normal == 0 and depth < AUTO_UNROLL_MAX_DEPTH
                     and s.extent * count <= step):
                 s.kind = "unroll"

@@ -57,6 +57,13 @@ def test_auto_unroll_pragma_unrolls_short_loops_only_when_asked():
     assert tiled(8).count('"unroll"') == 2 and 'k.1, 0, 4) "unroll"' not in tiled(8)   # j.1: 8; k.1: 32
     assert tiled(64).count('"unroll"') == 3 and 'k.1, 0, 4) "unroll"' in tiled(64)     # k.0: 256 stays
 
+    def rows(width: int) -> str:   # 8 rows of a vectorized copy `width` wide, under a budget of 64 steps
+        s = State(make_dag("elementwise", 1, 1, 8, width, "relu")).vectorize("T_relu", 3)
+        return lower(s.pragma("T_relu", 0, "auto_unroll_max_step$64")).text()
+    # a vector of up to 16 lanes is one step; wider ones are one per 16 lanes (a packing copy's row),
+    # so 8 rows of 256 lanes (128 steps) stay a loop instead of 128 vector instructions of straight code
+    assert 'for (ax2, 0, 8) "unroll"' in rows(64) and 'for (ax2, 0, 8) "unroll"' not in rows(256)
+
 
 def test_register_tiled_matmul_is_correct():
     check_state(_register_tiled_matmul(96))
