@@ -37,6 +37,9 @@ class RoundLog:
     model_recall: float = math.nan       # ... and its held-out recall@k
 
 
+FASTEST_KEPT = 10
+
+
 @dataclass
 class TuneResult:
     task: SearchTask
@@ -45,6 +48,9 @@ class TuneResult:
     trials: int
     rounds: list[RoundLog] = field(default_factory=list)
     curve: list[tuple[int, float]] = field(default_factory=list)   # (trials, best GFLOP/s so far)
+    # the FASTEST_KEPT fastest programs of this run, (seconds, steps), fastest first: one timing each,
+    # so on a noisy machine the first may be a lucky one; re-time a few before trusting the order
+    fastest: list[tuple[float, str]] = field(default_factory=list)
 
     @property
     def best_gflops(self) -> float:
@@ -183,7 +189,10 @@ def tune_task(task: SearchTask, trials: int, *, measurer: ProgramMeasurer | None
                 result.trials += 1
                 if r.ok and r.mean < result.best_latency:
                     result.best_latency, result.best_steps = r.mean, c.steps_json
+                if r.ok:
+                    result.fastest.append((r.mean, c.steps_json))
                 result.curve.append((result.trials, result.best_gflops))
+            result.fastest = sorted(result.fastest)[:FASTEST_KEPT]
             log.trials, log.best_gflops = result.trials, result.best_gflops
             result.rounds.append(log)
             if progress is not None:

@@ -34,6 +34,10 @@ def test_short_tune_beats_the_naive_program_and_resumes(tmp_path, measurer):
     assert first.trials == 32 and len(first.curve) == 32
     assert first.best_latency < naive.mean, (first.best_latency, naive.mean)
     assert [r.trials for r in first.rounds] == [16, 32]
+    # the run's ten fastest programs, fastest first, led by the best
+    times = [t for t, _ in first.fastest]
+    assert len(first.fastest) == 10 and times == sorted(times) and first.fastest[0] == (first.best_latency,
+                                                                                         first.best_steps)
     before = store.measured_steps(task.workload_key, task.target)
     assert len(before) == 32
     second = tune_task(task, 16, measurer=measurer, params=PARAMS, records=store, seed=2)
