@@ -12,6 +12,7 @@ import os
 from contextlib import contextmanager
 from typing import Iterator
 
+import dask
 from distributed import Client, LocalCluster
 
 CLUSTER_ENV = "TENSORTUNE_CLUSTER"          # the address to join when no --cluster is given
@@ -19,6 +20,9 @@ CLUSTER_VARIABLE = "tensortune_cluster"     # the same, as a Prefect Variable (f
 CPU_RESOURCE = "measure-cpu"
 GPU_RESOURCE = "GPU"
 NVCC_RESOURCE = "nvcc"
+# Dask's statistical profiler samples every worker thread's stack every 10 ms. A measure node's cores
+# belong to the kernel being timed, so its workers run without it (deploy/ sets the same variable).
+WORKER_CONFIG = {"distributed.worker.profile.enabled": False}
 
 
 class ClusterError(RuntimeError):
@@ -84,9 +88,10 @@ def dask_client(address: str | None = None, *, n_workers: int = 1, threads_per_w
             client.close()
         return
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, n_workers))
-    cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads, processes=processes,
-                           resources=resources or local_resources(), dashboard_address=None,
-                           host="127.0.0.1")
+    with dask.config.set(WORKER_CONFIG):     # the nannies hand this config to their workers
+        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads, processes=processes,
+                               resources=resources or local_resources(), dashboard_address=None,
+                               host="127.0.0.1")
     client = Client(cluster, set_as_default=False)
     try:
         yield client

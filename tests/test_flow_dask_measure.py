@@ -17,7 +17,7 @@ from distributed import Client, LocalCluster, get_task_stream
 
 from codegen.measure import BuildResult, ErrorCode, LocalBuilder, TimingConfig
 from codegen.target import make_task
-from flows.dask_cluster import ClusterError, connect, workers_with
+from flows.dask_cluster import ClusterError, connect, dask_client, local_resources, workers_with
 from flows.dask_measure import DaskMeasurer
 from search.sketch_policy import SearchParams, SketchPolicy
 from search.state import State
@@ -82,6 +82,16 @@ def test_cuda_builds_need_a_worker_with_nvcc():
                       host="127.0.0.1") as c, Client(c, set_as_default=False) as client:
         with pytest.raises(ClusterError, match=r"'nvcc'.*--resources nvcc=4.*CUDA toolkit"):
             DaskMeasurer(client, resource_wait=0).measure(cuda, [State(cuda.dag).steps_json()])
+
+
+def test_the_embedded_cluster_is_one_measure_node_without_the_stack_sampler():
+    import dask
+    with dask_client() as client:
+        (info,) = client.scheduler_info(n_workers=-1)["workers"].values()
+        assert info["resources"] == local_resources() and info["nthreads"] == (os.cpu_count() or 1)
+        flags = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
+        assert list(flags.values()) == [False]
+    assert dask.config.get("distributed.worker.profile.enabled") is True   # only the workers' config
 
 
 def _free_port() -> int:
