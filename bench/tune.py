@@ -63,27 +63,60 @@ def run_one(key: str, trials: int, model: str, crossover: float, measurer, seed:
     return task, res, wall, per_round_overhead
 
 
-def retime_against_library(key: str, task, fastest: list, retime, threads: int,
+def retime_against_library(key: str, task, fastest: list, threads: int,
                            top: int = 5) -> tuple[str, float, float, float, str | None]:
     """(library, library ms, our ms, ratio, steps). The search timed each program once, so its fastest
     may owe its place to a lucky moment of this machine: the `top` fastest are re-timed in a fresh
-    runner, and the fastest of those is then timed alternating with the library (bench.common.paired_ms)."""
+    runner, and the fastest of those is then timed alternating with the library (bench.common.paired_ms).
+    The runner is the only one alive: two processes' thread pools meeting on two cores can put a kernel
+    into a slow mode that costs milliseconds per parallel region (README, "Tuning one operator")."""
+    from codegen.measure import LocalRunner, TimingConfig
     lib, fn = library_fn(key, task.dag, threads)
     candidates = [steps for _, steps in fastest[:top]]
     builds = retime_builds(task, candidates) if candidates else []
+    retime = LocalRunner(timeout=60, config=TimingConfig(repeat=3, min_repeat_ms=200))
 
     def timed(build) -> float:
         if build.artifact is None:
             return float("nan")
         (r,) = retime.run(task, [build])
         return statistics.median(r.costs) * 1e3 if r.ok else float("nan")
-    ranked = sorted((t, i) for i, t in enumerate(timed(b) for b in builds) if t == t)
-    if not ranked:
-        return lib, float("nan"), float("nan"), float("nan"), None
-    best = ranked[0][1]
-    if fn is None:
-        return lib, float("nan"), ranked[0][0], float("nan"), candidates[best]
-    return (lib, *paired_ms(fn, lambda: timed(builds[best])), candidates[best])
+    try:
+        ranked = sorted((t, i) for i, t in enumerate(timed(b) for b in builds) if t == t)
+        if not ranked:
+            return lib, float("nan"), float("nan"), float("nan"), None
+        best = ranked[0][1]
+        if fn is None:
+            return lib, float("nan"), ranked[0][0], float("nan"), candidates[best]
+        return (lib, *paired_ms(fn, lambda: timed(builds[best])), candidates[best])
+    finally:
+        retime.close()
+
+
+def retimed(key: str, task, fastest: list, threads: int, peak: float) -> dict:
+    """The row fields the re-timing gives (ms, GFLOP/s, the library's ms and the ratio, best steps)."""
+    lib, lib_ms, ms, ratio, steps = retime_against_library(key, task, fastest, threads)
+    gflops = task.flops / ms / 1e6 if ms == ms else float("nan")
+    return {"ms": ms, "gflops": gflops, f"{lib}_ms": lib_ms, "ratio": ratio, "vs": lib,
+            "peak_frac": gflops / peak, "best_steps": steps}
+
+
+def retime_file(path: str, keys: list[str], threads: int, peak: float) -> list[dict]:
+    """Re-time the fastest programs a previous run wrote (its `fastest_seen`), without searching again."""
+    from codegen.target import make_task
+    from tasks.workload_registry import make_dag
+    with open(path) as f:
+        old = [json.loads(line) for line in f if line.strip()]
+    rows = []
+    for row in old:
+        if row["workload"] not in keys:
+            continue
+        name, args, _ = WORKLOADS[row["workload"]]
+        task = make_task(make_dag(name, *args))
+        fastest = [(sec, steps) for sec, steps in row["fastest_seen"]]
+        rows.append({**row, **retimed(row["workload"], task, fastest, threads, peak), "retimed_from": path})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("curve", "best_steps", "fastest_seen")}), flush=True)
+    return rows
 
 
 def retime_builds(task, steps: list[str]):
@@ -117,6 +150,39 @@ def plot(curves: dict, path: str) -> None:
     print(f"wrote {path}")
 
 
+def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
+    """Each workload (and ablation run) searched with its own measurer, then re-timed."""
+    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+    overrides = {}
+    for item in args.param:
+        k, _, v = item.partition("=")
+        overrides[k] = type(getattr(__import__("search.sketch_policy", fromlist=["SearchParams"]).SearchParams(), k))(v)
+    rows, curves = [], {}
+    runs = [("xgb", 0.05, "xgb+crossover")]
+    if args.ablate:
+        runs += [("random", 0.05, "random model"), ("xgb", 0.0, "no crossover")]
+    for key in args.workloads.split(","):
+        for model, cross, label in runs:
+            measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
+            try:
+                task, res, wall, overhead = run_one(key, args.trials, model, cross, measurer, args.seed,
+                                                    args.per_round, overrides)
+            finally:
+                measurer.close()        # its runner's thread pool must not meet the re-timing's
+            rows.append({"workload": key, "run": label, **retimed(key, task, res.fastest, args.threads, peak),
+                         "best_seen_gflops": res.best_gflops,
+                         "trials": res.trials, "search_s": res.search_seconds, "measure_s": res.measure_seconds,
+                         "wall_s": wall, "max_search_s_per_round": max(overhead) if overhead else 0.0,
+                         "median_search_s_per_round": statistics.median(overhead) if overhead else 0.0,
+                         "fastest_seen": res.fastest,
+                         "curve": [[t, g] for t, g in res.curve]})
+            lib_ms = rows[-1][f"{rows[-1]['vs']}_ms"]
+            curves[(key, label)] = ([t for t, _ in res.curve], [g for _, g in res.curve],
+                                    task.flops / lib_ms / 1e6 if lib_ms == lib_ms else float("nan"))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("curve", "best_steps", "fastest_seen")}), flush=True)
+    return rows, curves
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench tune")
     ap.add_argument("--trials", type=int, default=1000)
@@ -128,6 +194,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--per-round", type=int, default=64)
     ap.add_argument("--plot", default="docs/tune_curve.png")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--retime", metavar="JSON", help="re-time the fastest programs of a previous run's JSON "
+                                                     "(no search)")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                     help="override a SearchParams field, e.g. --param max_vectorize_size=64")
     args, rest = ap.parse_known_args(argv)
@@ -135,41 +203,15 @@ def main(argv: list[str]) -> int:
         from bench import tune_cuda
         return tune_cuda.main(argv)
     ensure_clean_blas_env()
-    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer, TimingConfig
     peak = measure_fma_peak(args.threads)
     print(f"BLAS: {blas_info()}; fp32 FMA peak {peak:.0f} GFLOP/s on {args.threads} threads")
-    measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
-    retime = LocalRunner(timeout=60, config=TimingConfig(repeat=3, min_repeat_ms=200))
-    overrides = {}
-    for item in args.param:
-        k, _, v = item.partition("=")
-        overrides[k] = type(getattr(__import__("search.sketch_policy", fromlist=["SearchParams"]).SearchParams(), k))(v)
-    rows, curves = [], {}
-    runs = [("xgb", 0.05, "xgb+crossover")]
-    if args.ablate:
-        runs += [("random", 0.05, "random model"), ("xgb", 0.0, "no crossover")]
-    for key in args.workloads.split(","):
-        for model, cross, label in runs:
-            task, res, wall, overhead = run_one(key, args.trials, model, cross, measurer, args.seed,
-                                                args.per_round, overrides)
-            lib, lib_ms, ms, ratio, steps = retime_against_library(key, task, res.fastest, retime, args.threads)
-            gflops = task.flops / ms / 1e6 if ms == ms else float("nan")
-            rows.append({"workload": key, "run": label, "ms": ms, "gflops": gflops, f"{lib}_ms": lib_ms,
-                         "ratio": ratio, "vs": lib, "peak_frac": gflops / peak,
-                         "best_seen_gflops": res.best_gflops,
-                         "trials": res.trials, "search_s": res.search_seconds, "measure_s": res.measure_seconds,
-                         "wall_s": wall, "max_search_s_per_round": max(overhead) if overhead else 0.0,
-                         "median_search_s_per_round": statistics.median(overhead) if overhead else 0.0,
-                         "best_steps": steps, "fastest_seen": res.fastest,
-                         "curve": [[t, g] for t, g in res.curve]})
-            curves[(key, label)] = ([t for t, _ in res.curve], [g for _, g in res.curve],
-                                    task.flops / lib_ms / 1e6 if lib_ms == lib_ms else float("nan"))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("curve", "best_steps", "fastest_seen")}), flush=True)
-    measurer.close()
-    retime.close()
+    if args.retime:
+        rows, curves = retime_file(args.retime, args.workloads.split(","), args.threads, peak), {}
+    else:
+        rows, curves = tune_and_retime(args, peak)
     print_table(rows, ["workload", "run", "ms", "gflops", "vs", "numpy_ms", "torch_ms", "ratio", "peak_frac",
                        "trials", "search_s", "measure_s", "median_search_s_per_round"])
     write_json(args.json, rows)
-    if args.plot:
+    if args.plot and curves:
         plot(curves, args.plot)
     return 0
