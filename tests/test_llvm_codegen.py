@@ -116,3 +116,21 @@ def test_a_guarded_register_tile_keeps_its_accumulators_out_of_memory():
     assert stack and masked and blended
     assert not set(masked) & stack and set(blended) <= stack
     check_state(s)
+
+
+def test_the_timing_loop_runs_the_kernel_every_time():
+    """A small serial kernel is a pure function of its noalias buffers: inlined into the `_repeat`
+    timing loop, LLVM ran it once for n runs (ResNet-18's 512-channel global pool was recorded at
+    0.8 ns). The loop must still call it, and the kernel must still be right."""
+    from tasks import ops, te
+    from tasks.compute_dag import ComputeDAG
+    data = te.placeholder((1, 512, 1, 1), name="data")
+    dag = ComputeDAG([data, ops.global_avg_pool2d_nchw(data)])
+    steps = '[["CA",1,2,1],["CR",2],["FU",2,[0,1,2,3]],["PR",1,0,"auto_unroll_max_step$0"],["AN",2,0,2]]'
+    state = State.from_json(dag, steps)
+    check_state(state)
+    target = parse_target("llvm -mcpu=znver3 -mattr=+avx,+avx2,+fma")
+    asm = assembly(generate_llvm_ir(lower(state), target.cpu, target.features), target)
+    repeat = asm[asm.index("default_function_repeat:"):]
+    repeat = repeat[:repeat.index(".Lfunc_end")]
+    assert re.search(r"\bcallq?\s", repeat), repeat       # (through the GOT: `callq *%r13`)
