@@ -128,3 +128,18 @@ def test_a_task_without_a_valid_program_does_not_blind_the_gradient(tasks):
     assert s.gradient(0) == pytest.approx(2 * (0.2 * (-5 / 3) + 0.8 * (3.75 - 5)) * 1e-6, rel=1e-3)
     assert s.gradient(1) == pytest.approx(0.8 * (20 - 40) * 1e-6, rel=1e-3)
     assert s.next_task() == 1 and s.decisions[-1][1].startswith("gradient")
+
+
+def test_similar_tasks_without_flops_leave_out_the_throughput_bound():
+    """BERT's head transposes count no FLOPs and are similar to each other: the bound from the group's
+    best FLOP/s (g2) must not divide by that zero; g1 alone is the forward estimate."""
+    from flows.tuning import network_tasks
+    _, bert = network_tasks("bert-base", "llvm", num_layers=1, seq_len=16)
+    moves = [t for t in bert if t.name == "transpose"][:2]
+    assert len(moves) == 2 and moves[0].flops == moves[1].flops == 0
+    assert similarity_tag(moves[0]) == similarity_tag(moves[1])
+    s = TaskScheduler(moves, eps_greedy=0.0)
+    _feed(s, 0, [4e-6] * 4)
+    _feed(s, 1, [2e-6] * 4)
+    assert s.gradient(0) == pytest.approx(moves[0].weight * 0.8 * (3 - 4) * 1e-6, rel=1e-3)   # g1 = 4 - 4/4
+    assert s.next_task() == 0
