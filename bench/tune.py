@@ -4,7 +4,8 @@ Tunes matmul 1024^3, matmul+bias+relu 1024^3, the ResNet-18 conv2d+relu layer an
 depthwise conv, then re-times the best program with more repeats and compares it with NumPy/OpenBLAS or
 PyTorch CPU (same thread count, alternating timings) and the measured FMA peak. Reports search and measurement time
 separately and the best-so-far curve; `--ablate` adds the random-model and no-crossover runs at equal
-trials. `--target cuda` runs the GPU benchmark (bench/tune_cuda.py).
+trials; `--retime JSON` re-times the fastest programs a previous run wrote, without searching.
+`--target cuda` runs the GPU benchmark (bench/tune_cuda.py).
 """
 from __future__ import annotations
 
@@ -113,10 +114,15 @@ def retime_file(path: str, keys: list[str], threads: int, peak: float) -> list[d
             continue
         name, args, _ = WORKLOADS[row["workload"]]
         task = make_task(make_dag(name, *args))
-        fastest = [(sec, steps) for sec, steps in row["fastest_seen"]]
-        rows.append({**row, **retimed(row["workload"], task, fastest, threads, peak), "retimed_from": path})
-        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("curve", "best_steps", "fastest_seen")}), flush=True)
+        rows.append({**row, **retimed(row["workload"], task, row["fastest_seen"], threads, peak),
+                     "retimed_from": path})
+        print_row(rows[-1])
     return rows
+
+
+def print_row(row: dict) -> None:
+    """A row as one JSON line, without its long fields (the curve and the programs)."""
+    print(json.dumps({k: v for k, v in row.items() if k not in ("curve", "best_steps", "fastest_seen")}), flush=True)
 
 
 def retime_builds(task, steps: list[str]):
@@ -179,7 +185,7 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
             lib_ms = rows[-1][f"{rows[-1]['vs']}_ms"]
             curves[(key, label)] = ([t for t, _ in res.curve], [g for _, g in res.curve],
                                     task.flops / lib_ms / 1e6 if lib_ms == lib_ms else float("nan"))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("curve", "best_steps", "fastest_seen")}), flush=True)
+            print_row(rows[-1])
     return rows, curves
 
 

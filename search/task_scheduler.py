@@ -145,7 +145,7 @@ class TaskScheduler:
         group = self.groups.get(self.tags[i], [])
         if len(group) > 1:
             best_flops = max(self.tasks[j].flops / costs[j] for j in group)
-            if best_flops > 0:       # FLOP-less tasks (an embedding's gather) have no throughput to compare
+            if best_flops > 0:       # FLOP-less tasks (BERT's transposes) have no throughput to compare
                 g_next2 = self.beta * self.tasks[i].flops / best_flops
         forward = min(g_next1, g_next2) - costs[i]
         return chain * (self.alpha * backward + (1 - self.alpha) * forward)
