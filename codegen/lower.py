@@ -72,22 +72,6 @@ class _Lowering:
         j = target.iter_index(st.attach[1])
         return self._enclosing(target.name) + [it.var for it in target.iters[:j + 1]]
 
-    def _in_scope(self, consumer: str, producer: str) -> bool:
-        p = self.stages[self.by_name[producer]]
-        target, var = p.attach
-        tj = self.stages[self.by_name[target]].iter_index(var)
-        cur = consumer
-        while True:
-            if cur == target:
-                return True
-            st = self.stages[self.by_name[cur]]
-            if st.compute_at != "iter":
-                return False
-            if st.attach[0] == target:
-                j = self.stages[self.by_name[target]].iter_index(st.attach[1])
-                return j > tj or (j == tj and self.by_name[cur] > self.by_name[producer])
-            cur = st.attach[0]
-
     # ------------------------------------------------------------------ bound inference
 
     def _region(self, info: _StageInfo, readers: list[str]) -> None:
@@ -103,7 +87,7 @@ class _Lowering:
         highs: list[Affine | None] = [None] * op.ndim
         failed = [False] * op.ndim
         for reader in readers:
-            if not self._in_scope(reader, info.stage.name):
+            if not self.state.computed_within(reader, info.stage.name):
                 raise LoweringError(f"{info.stage.name} is computed inside {info.stage.attach[0]}'s loop but "
                                     f"{reader} reads it outside that loop; compute it at a common loop instead")
             rinfo = self.info[reader]

@@ -60,35 +60,38 @@ def change_compute_location(state: State, rng: random.Random) -> State:
 
 
 def annotate_parallel(state: State, num_cores: int) -> State:
-    def annotate(s: State, sid: int, offset: int) -> State:
-        stage = s.stages[sid]
-        to_fuse, degree = [], 1
-        i = offset
-        while i < len(stage.iters):
-            it = stage.iters[i]
-            if it.kind == "reduce" or it.annotation != "none":
-                break
-            to_fuse.append(i)
-            degree *= it.extent
-            if degree > num_cores * 16 or utils.has_attached(s, sid, i):
-                break
-            i += 1
-        if degree == 1 and i < len(stage.iters):
-            attached = utils.attached_stages(s, sid, i)
-            if attached:
-                names = [s.stages[a].name for a in attached]
-                for n in names:
-                    s = annotate(s, s.stage_id(n), 0)
-                s = annotate(s, sid, i + 1)
-        if to_fuse:
-            if len(to_fuse) > 1:
-                s = s.fuse(sid, to_fuse)
-            s = s.parallel(sid, to_fuse[0])
-        return s
-
     for name in [st.name for st in state.stages if st.compute_at == "root" and not st.is_placeholder]:
-        state = annotate(state, state.stage_id(name), 0)
+        state = _annotate_parallel(state, state.stage_id(name), 0, num_cores)
     return state
+
+
+def _annotate_parallel(s: State, sid: int, offset: int, num_cores: int) -> State:
+    """Fuse and parallelise the outer spatial loops of a stage from `offset`, up to 16 tasks per core;
+    an outer loop of extent 1 with stages computed in it hands the job to those stages."""
+    stage = s.stages[sid]
+    to_fuse, degree = [], 1
+    i = offset
+    while i < len(stage.iters):
+        it = stage.iters[i]
+        if it.kind == "reduce" or it.annotation != "none":
+            break
+        to_fuse.append(i)
+        degree *= it.extent
+        if degree > num_cores * 16 or utils.has_attached(s, sid, i):
+            break
+        i += 1
+    if degree == 1 and i < len(stage.iters):
+        attached = utils.attached_stages(s, sid, i)
+        if attached:
+            names = [s.stages[a].name for a in attached]
+            for n in names:
+                s = _annotate_parallel(s, s.stage_id(n), 0, num_cores)
+            s = _annotate_parallel(s, sid, i + 1, num_cores)
+    if to_fuse:
+        if len(to_fuse) > 1:
+            s = s.fuse(sid, to_fuse)
+        s = s.parallel(sid, to_fuse[0])
+    return s
 
 
 def annotate_unroll(state: State, rng: random.Random, configs=AUTO_UNROLL_CPU) -> State:

@@ -17,6 +17,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -357,6 +358,50 @@ class _Store:
     alloc: bool                  # the stage's buffer is allocated (not a kernel argument)
 
 
+def _split_lengths(steps: Sequence, sym: dict, i: int) -> list:
+    """The lengths step i splits into: tile-size symbols where the structure leaves them open.
+    (Module-level functions, not recursive closures: those are reference cycles that keep a whole
+    template's making alive until the cyclic collector runs.)"""
+    st = steps[i]
+    if isinstance(st, SplitStep):
+        return [sym.get((i, k), ln) for k, ln in enumerate(st.lengths)]
+    if isinstance(st, FollowSplitStep):
+        src = _split_lengths(steps, sym, st.src_step_id)
+        last = src[st.n_split - 1]
+        for x in src[st.n_split:]:
+            last = te.binary("mul", te.as_expr(last), te.as_expr(x))
+        return list(src[:st.n_split - 1]) + [last]
+    if isinstance(st, FollowFusedSplitStep):
+        out = 1
+        for s in st.src_step_ids:
+            out = te.binary("mul", te.as_expr(out), te.as_expr(_split_lengths(steps, sym, s)[st.level]))
+        return [out]
+    raise TypeError(f"step {i} makes no split")
+
+
+def _loop_nest(name: str, by_name: dict, pragma_sym: dict, nests: dict, enclosing: dict) -> list:
+    """(var, annotation, unroll) of the loops of the stages `name` is computed in, then its own;
+    memoised in `nests`, with the number of enclosing loops in `enclosing`."""
+    if name in nests:
+        return nests[name]
+    st = by_name[name]
+    outer = []
+    if st.compute_at == "iter":
+        target, var = st.attach
+        tn = _loop_nest(target, by_name, pragma_sym, nests, enclosing)
+        j = by_name[target].iter_index(var)
+        outer = tn[:enclosing[target] + j + 1]
+    enclosing[name] = len(outer)
+    own = []
+    for it in st.iters:
+        unroll = dict(it.pragmas).get("auto_unroll_max_step")
+        if unroll is not None:
+            unroll = pragma_sym.get(name, unroll)
+        own.append((it.var, it.annotation, unroll))
+    nests[name] = outer + own
+    return nests[name]
+
+
 class FeatureTemplate:
     """Features of every state with one structure, as a function of its open numbers."""
 
@@ -371,25 +416,8 @@ class FeatureTemplate:
             sym[(i, k)], names[v] = v, v.name
         self._slot_syms = [sym[slot] for slot in self.slots]
 
-        def step_lengths(i: int) -> list:
-            st = state.steps[i]
-            if isinstance(st, SplitStep):
-                return [sym.get((i, k), ln) for k, ln in enumerate(st.lengths)]
-            if isinstance(st, FollowSplitStep):
-                src = step_lengths(st.src_step_id)
-                last = src[st.n_split - 1]
-                for x in src[st.n_split:]:
-                    last = te.binary("mul", te.as_expr(last), te.as_expr(x))
-                return list(src[:st.n_split - 1]) + [last]
-            if isinstance(st, FollowFusedSplitStep):
-                out = 1
-                for s in st.src_step_ids:
-                    out = te.binary("mul", te.as_expr(out), te.as_expr(step_lengths(s)[st.level]))
-                return [out]
-            raise TypeError(f"step {i} makes no split")
-
         def lengths(rel: Split) -> list:
-            return step_lengths(rel.step)
+            return _split_lengths(state.steps, sym, rel.step)
 
         # stage ids do not move after the annotation steps, so a pragma step's stage is final
         pragma_sym = {state.stages[state.steps[i].stage_id].name: sym[(i, -1)] for i, k in self.slots if k < 0}
@@ -423,32 +451,11 @@ class FeatureTemplate:
             for it in st.iters:
                 self.ext[it.var] = ls.extents[it.var]
             values[name] = ls.values
-        # loop nests: the loops of the stages this one is computed in, then its own
-        def nest(name: str) -> list:
-            if name in nests:
-                return nests[name]
-            st = by_name[name]
-            outer = []
-            if st.compute_at == "iter":
-                target, var = st.attach
-                tn = nest(target)
-                j = by_name[target].iter_index(var)
-                outer = tn[:enclosing[target] + j + 1]
-            enclosing[name] = len(outer)
-            own = []
-            for it in st.iters:
-                unroll = dict(it.pragmas).get("auto_unroll_max_step")
-                if unroll is not None:
-                    unroll = pragma_sym.get(name, unroll)
-                own.append((it.var, it.annotation, unroll))
-            nests[name] = outer + own
-            return nests[name]
-
         self.stores: list[_Store] = []
         free_vars = _FreeVars()
         for name in self.stage_names:
             st = by_name[name]
-            loops = nest(name)
+            loops = _loop_nest(name, by_name, pragma_sym, nests, enclosing)
             loop_vars = {v for v, _, _ in loops}
             vals = values[name]
             body = bodies[name]

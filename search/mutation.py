@@ -70,7 +70,7 @@ def _replay(c: Candidate, steps: list) -> Candidate | None:
         state = State.replay(c.dag, steps)
     except IllegalStep:
         return None
-    if utils.has_nested_parallel(state):
+    if utils.has_nested_parallel(state) or utils.stage_read_outside_its_loop(state) is not None:
         return None
     return c.with_steps(state.steps, state)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from tasks import te
 from tasks.compute_dag import AccessAnalysis, ComputeDAG
@@ -831,31 +831,41 @@ class State:
 
     def consumers(self, stage_id: int) -> list[Stage]:
         """Stages reading this one, looking through inlined stages (TVM's GetConsumers)."""
-        by_op = {s.op: s for s in self.stages}
-        out: dict[str, Stage] = {}
-
-        def collect(op: Tensor) -> None:
-            for c in self.analysis.consumers(op):
-                st = by_op[c]
-                if st.compute_at == "inline":
-                    collect(c)
-                else:
-                    out[st.name] = st
-        collect(self.stages[stage_id].op)
-        return list(out.values())
+        return self._through_inlined(stage_id, self.analysis.consumers)
 
     def producers(self, stage_id: int) -> list[Stage]:
+        return self._through_inlined(stage_id, self.analysis.producers)
+
+    def computed_within(self, consumer: str, producer: str) -> bool:
+        """Stage `consumer` runs inside the loop that `producer` is computed at (after it), so it may
+        read what that loop computed."""
+        target, var = self.stage_by_name(producer).attach
+        target_stage = self.stage_by_name(target)
+        at = target_stage.iter_index(var)
+        cur = consumer
+        while cur != target:
+            st = self.stage_by_name(cur)
+            if st.compute_at != "iter":
+                return False
+            if st.attach[0] == target:
+                j = target_stage.iter_index(st.attach[1])
+                return j > at or (j == at and self.stage_id(cur) > self.stage_id(producer))
+            cur = st.attach[0]
+        return True
+
+    def _through_inlined(self, stage_id: int, neighbours: Callable[[Tensor], Iterable[Tensor]]) -> list[Stage]:
+        # a work list, not a recursive closure (that would be a reference cycle holding this state)
         by_op = {s.op: s for s in self.stages}
         out: dict[str, Stage] = {}
-
-        def collect(op: Tensor) -> None:
-            for p in self.analysis.producers(op):
-                st = by_op[p]
-                if st.compute_at == "inline":
-                    collect(p)
-                else:
-                    out[st.name] = st
-        collect(self.stages[stage_id].op)
+        stack = [iter(neighbours(self.stages[stage_id].op))]
+        while stack:
+            n = next(stack[-1], None)
+            if n is None:
+                stack.pop()
+            elif by_op[n].compute_at == "inline":
+                stack.append(iter(neighbours(n)))      # depth first, in the order recursion would visit
+            else:
+                out[by_op[n].name] = by_op[n]
         return list(out.values())
 
     def effective_bodies(self) -> dict[str, te.Expr]:

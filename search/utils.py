@@ -289,18 +289,34 @@ def compute_location_candidates(state: State, sid: int) -> list[tuple[int, int]]
     return out
 
 
+def stage_read_outside_its_loop(state: State) -> str | None:
+    """A stage computed inside a loop that one of its consumers reads outside of, or None.
+
+    Each compute-at step is legal where it stands, but crossover and compute-location mutation can
+    put a producer inside one consumer's loop while another consumer stays outside it (softmax's max
+    inside the normalisation, its exp-sum at root): such a program cannot be lowered."""
+    for sid, st in enumerate(state.stages):
+        if st.compute_at == "iter" and not all(state.computed_within(c.name, st.name)
+                                               for c in state.consumers(sid)):
+            return st.name
+    return None
+
+
 def has_nested_parallel(state: State) -> bool:
-    def count(sid: int) -> int:
-        st = state.stages[sid]
-        if st.compute_at == "inline":
-            return 0
-        n = 0
-        for i, it in enumerate(st.iters):
-            n += it.annotation == "parallel"
-            for a in attached_stages(state, sid, i):
-                n += count(a)
-        return n
-    return any(count(i) >= 2 for i, s in enumerate(state.stages) if s.compute_at == "root" and not s.is_placeholder)
+    return any(_parallel_loops(state, i) >= 2 for i, s in enumerate(state.stages)
+               if s.compute_at == "root" and not s.is_placeholder)
+
+
+def _parallel_loops(state: State, sid: int) -> int:
+    """Parallel loops in a stage and the stages computed inside it."""
+    st = state.stages[sid]
+    if st.compute_at == "inline":
+        return 0
+    n = 0
+    for i, it in enumerate(st.iters):
+        n += it.annotation == "parallel"
+        n += sum(_parallel_loops(state, a) for a in attached_stages(state, sid, i))
+    return n
 
 
 # ------------------------------------------------------------------------------------------ tile sizes

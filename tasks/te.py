@@ -505,20 +505,21 @@ def rebuild(e: Expr, kids: Sequence[Expr]) -> Expr:
 
 def transform(e: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
     """Bottom-up rewrite: `fn(node)` returns a replacement or None to keep the node (memoised)."""
-    memo: dict[int, Expr] = {}
+    return _transform(e, fn, {})
 
-    def visit(node: Expr) -> Expr:
-        key = id(node)
-        if key in memo:
-            return memo[key]
-        kids = children(node)
-        new_kids = [visit(k) for k in kids]
-        out = node if builtins.all(a is b for a, b in zip(kids, new_kids)) else rebuild(node, new_kids)
-        repl = fn(out)
-        memo[key] = out if repl is None else repl
+
+def _transform(node: Expr, fn: Callable[[Expr], Expr | None], memo: dict[int, Expr]) -> Expr:
+    # a module-level function, not a recursive closure: a closure that calls itself is a reference
+    # cycle, which keeps every tree it touched alive until the cyclic collector runs
+    key = id(node)
+    if key in memo:
         return memo[key]
-
-    return visit(e)
+    kids = children(node)
+    new_kids = [_transform(k, fn, memo) for k in kids]
+    out = node if builtins.all(a is b for a, b in zip(kids, new_kids)) else rebuild(node, new_kids)
+    repl = fn(out)
+    memo[key] = out if repl is None else repl
+    return memo[key]
 
 
 def substitute(e: Expr, mapping: dict[Var, Expr]) -> Expr:
