@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -563,6 +564,30 @@ def _unique_stage_name(state: "State", base: str) -> str:
     return name
 
 
+# Cache read/write and rfactor make new tensors, so a program replaying one gets ops, and an access
+# analysis of them, of its own. Most replays apply them to the very same stages (every sample of a
+# sketch starts from the DAG's own), so those share one result: per DAG, the last few rewrites.
+_REWRITES: "weakref.WeakKeyDictionary[ComputeDAG, OrderedDict]" = weakref.WeakKeyDictionary()
+_REWRITES_KEPT = 64
+
+
+def _rewrite_once(step: "CacheReadStep | CacheWriteStep | RfactorStep", state: "State") -> "State":
+    memo = _REWRITES.setdefault(state.dag, OrderedDict())
+    key = (step, tuple(map(id, state.stages)))
+    hit = memo.get(key)
+    if hit is None:
+        # the entry holds the old stages, so no other object can take their ids while it lives
+        hit = memo[key] = (state.stages, step.rewrite(state))
+        if len(memo) > _REWRITES_KEPT:
+            memo.popitem(last=False)
+    else:
+        memo.move_to_end(key)
+    done = hit[1]
+    new = State(state.dag, done.stages, state.steps + (step,))
+    new._analysis = done.analysis
+    return new
+
+
 def _redirect_loads(stages: list[Stage], replaced: dict[Tensor, Tensor]) -> None:
     """Point every later reader of a replaced op at its replacement, transitively (TVM's
     ReplaceDataFlow): a consumer that kept loading the old op would no longer be its consumer."""
@@ -588,6 +613,9 @@ class CacheReadStep(Step):
     code = "CHR"
 
     def apply(self, state: "State") -> "State":
+        return _rewrite_once(self, state)
+
+    def rewrite(self, state: "State") -> "State":
         stage = _check_stage(state, self.stage_id, "cache_read")
         if not self.reader_stage_ids:
             raise IllegalStep("cache_read needs at least one reader stage")
@@ -621,6 +649,9 @@ class CacheWriteStep(Step):
     code = "CHW"
 
     def apply(self, state: "State") -> "State":
+        return _rewrite_once(self, state)
+
+    def rewrite(self, state: "State") -> "State":
         stage = _check_stage(state, self.stage_id, "cache_write")
         if _attached_to(state, stage.name):
             raise IllegalStep(f"cache_write of {stage.name} must come before stages are computed at it")
@@ -647,6 +678,9 @@ class RfactorStep(Step):
     code = "RF"
 
     def apply(self, state: "State") -> "State":
+        return _rewrite_once(self, state)
+
+    def rewrite(self, state: "State") -> "State":
         stage = _check_stage(state, self.stage_id, "rfactor")
         it = _check_iter(stage, self.iter_id, "rfactor")
         op = stage.op
