@@ -65,7 +65,7 @@ def run_one(key: str, trials: int, model: str, crossover: float, measurer, seed:
 
 
 def retime_against_library(key: str, task, fastest: list, threads: int,
-                           top: int = 5) -> tuple[str, float, float, float, str | None]:
+                           top: int = 10) -> tuple[str, float, float, float, str | None]:
     """(library, library ms, our ms, ratio, steps). The search timed each program once, so its fastest
     may owe its place to a lucky moment of this machine: the `top` fastest are re-timed in a fresh
     runner, and the fastest of those is then timed alternating with the library (bench.common.paired_ms).
