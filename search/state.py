@@ -576,15 +576,16 @@ def _rewrite_once(step: "CacheReadStep | CacheWriteStep | RfactorStep", state: "
     key = (step, tuple(map(id, state.stages)))
     hit = memo.get(key)
     if hit is None:
-        # the entry holds the old stages, so no other object can take their ids while it lives
-        hit = memo[key] = (state.stages, step.rewrite(state))
+        done = step.rewrite(state)
+        # the entry holds the old stages, so no other object can take their ids while it lives, and
+        # no State: one refers to the DAG, which would then never leave this weak-keyed memo
+        hit = memo[key] = (state.stages, done.stages, done.analysis)
         if len(memo) > _REWRITES_KEPT:
             memo.popitem(last=False)
     else:
         memo.move_to_end(key)
-    done = hit[1]
-    new = State(state.dag, done.stages, state.steps + (step,))
-    new._analysis = done.analysis
+    new = State(state.dag, hit[1], state.steps + (step,))
+    new._analysis = hit[2]
     return new
 
 

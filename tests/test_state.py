@@ -126,3 +126,19 @@ def test_cache_read_after_cache_write_keeps_the_dataflow(mm):
     s = s.compute_at("B.local", "C.local", 0).vectorize("C.local", 3).vectorize("B.local", 1).parallel("C", 0)
     assert "B.local[float32 * 128]" in lower(s).text()         # one 8 x 16 panel of B per k.0
     check_state(s)
+
+
+def test_replayed_cache_write_is_shared_and_does_not_keep_its_dag_alive():
+    """Replays of a cache write on the same stages share ops and analysis (a population's samples all
+    start from the DAG's stages); the memo must not outlive the DAG (a network run makes many)."""
+    import gc
+    import weakref
+    dag = make_dag("matmul", 16, 16, 16)
+    a = State(dag).cache_write("C", "local")
+    b = State(dag).cache_write("C", "local")
+    assert a.stages == b.stages and a.analysis is b.analysis
+    check_state(a.split("C.local", 0, [4]))
+    gone = weakref.ref(dag)
+    del dag, a, b
+    gc.collect()
+    assert gone() is None
