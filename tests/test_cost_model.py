@@ -17,15 +17,16 @@ from tasks.workload_registry import make_dag
 
 @pytest.fixture(scope="module")
 def measured():
-    """96 random matmul programs, really measured: the data every model test learns from."""
+    """192 random matmul programs, really measured: the data every model test learns from (with 96, the
+    held-out accuracy of one cross-validation swung from 0.60 to 0.65 between runs of the timings)."""
     task = make_task(make_dag("matmul", 128, 128, 128))
-    cands = SketchPolicy(task, seed=3).sample(96)
+    cands = SketchPolicy(task, seed=3).sample(192)
     # one thread per kernel: the ranking signal is the same and timings shift less when the machine is busy
     runner = LocalRunner(config=TimingConfig(min_repeat_ms=10, repeat=3), env={"OMP_NUM_THREADS": "1"})
     with ProgramMeasurer(LocalBuilder(), runner) as m:
         results = m.measure(task, [c.steps_json for c in cands])
     costs = [min(r.costs) if r.ok else math.inf for r in results]
-    assert sum(math.isfinite(c) for c in costs) > 80
+    assert sum(math.isfinite(c) for c in costs) > 160
     return task, cands, costs
 
 
@@ -49,23 +50,26 @@ def test_templates_generalise_across_tile_sizes(measured):
 
 
 def test_model_ranks_held_out_programs_better_than_chance(measured):
-    """4-fold cross-validation: every program is held out once, so one unlucky split of noisy timings
-    cannot decide the verdict."""
+    """4-fold cross-validation, three times over different shuffles: every program is held out three
+    times, so one unlucky split of noisy timings cannot decide the verdict (here the mean is 0.66-0.70)."""
     task, cands, costs = measured
-    idx = list(range(len(cands)))
-    random.Random(0).shuffle(idx)
     accs, rands = [], []
-    for fold in range(4):
-        held = idx[fold::4]
-        train = [i for i in idx if i not in held]
-        model = XGBModel(num_warmup_sample=0)
-        model.add(task, [cands[i] for i in train], [costs[i] for i in train])
-        metrics = model.fit()
-        assert metrics is not None and metrics.n_programs == len(train) and not math.isnan(metrics.pairwise_accuracy)
-        pred = model.predict(task, [cands[i] for i in held])
-        true = np.array([task.flops / costs[i] if math.isfinite(costs[i]) else 0.0 for i in held])
-        accs.append(pairwise_accuracy(pred, true))
-        rands.append(pairwise_accuracy(RandomModel(fold).predict(task, [cands[i] for i in held]), true))
+    for shuffle in range(3):
+        idx = list(range(len(cands)))
+        random.Random(shuffle).shuffle(idx)
+        for fold in range(4):
+            held = idx[fold::4]
+            train = [i for i in idx if i not in held]
+            model = XGBModel(num_warmup_sample=0)
+            model.add(task, [cands[i] for i in train], [costs[i] for i in train])
+            metrics = model.fit()
+            assert metrics is not None and metrics.n_programs == len(train)
+            assert not math.isnan(metrics.pairwise_accuracy)
+            pred = model.predict(task, [cands[i] for i in held])
+            true = np.array([task.flops / costs[i] if math.isfinite(costs[i]) else 0.0 for i in held])
+            accs.append(pairwise_accuracy(pred, true))
+            chance = RandomModel(4 * shuffle + fold).predict(task, [cands[i] for i in held])
+            rands.append(pairwise_accuracy(chance, true))
     acc, rand = float(np.mean(accs)), float(np.mean(rands))
     assert acc > 0.6 and acc > rand + 0.05, f"held-out pairwise accuracy {acc:.2f} per fold {accs} (random: {rand:.2f})"
 
