@@ -1,7 +1,7 @@
 """`python -m bench network NETWORK`: whole networks, default schedules vs tuned vs PyTorch CPU eager.
 
 Extracts the network's tasks, tunes them with the gradient task scheduler (and, at the same number of
-trials, with round-robin), builds the network from the best records, checks it against the graph's
+trials and taking turns with it round by round, with round-robin), builds the network from the best records, checks it against the graph's
 NumPy reference and times it end to end. PyTorch runs the same architecture written by hand with
 torch.nn (torchvision does not import beside the CPU torch wheel), eager, with the same thread count.
 """
@@ -144,15 +144,28 @@ def torch_fn(name: str, threads: int, options: dict):
 
 # ---------------------------------------------------------------------------------- tensortune
 
-def run(name: str, trials: int, strategy: str, seed: int, options: dict, measurer, store=None):
-    from flows.tuning import network_tasks, tune_network
+def tune(name: str, trials: int, strategies: list[str], seed: int, options: dict, measurer) -> tuple:
+    """(network, tasks, {strategy: (result, seconds)}): the strategies take turns, one round each, on
+    one measurer, so that this VM's drift (which moved a task's timings by 30% within minutes) hits them
+    alike; the same seeds make their warm-up rounds measure the same programs."""
+    from flows.tuning import NetworkTuner, network_tasks
     net, tasks = network_tasks(name, "llvm", **options)
-    t0 = time.perf_counter()
-    res = tune_network(tasks, trials, measurer=measurer, strategy=strategy, seed=seed, records=store,
-                       progress=lambda i, log, r: print(f"  {name} [{strategy}] {r.trials}/{trials} trials, "
-                                                         f"task {i} best {log.best_gflops:.1f} GFLOP/s, "
-                                                         f"est. {r.estimated_latency * 1e3:.2f} ms", flush=True))
-    return net, tasks, res, time.perf_counter() - t0
+
+    def progress(strategy):
+        return lambda i, log, r: print(f"  {name} [{strategy}] {r.trials}/{trials} trials, task {i} best "
+                                       f"{log.best_gflops:.1f} GFLOP/s, est. {r.estimated_latency * 1e3:.2f} ms",
+                                       flush=True)
+    tuners = {s: NetworkTuner(tasks, trials, measurer, strategy=s, seed=seed, progress=progress(s))
+              for s in strategies}
+    seconds = dict.fromkeys(strategies, 0.0)
+    busy = True
+    while busy:
+        busy = False
+        for s, tuner in tuners.items():
+            t0 = time.perf_counter()
+            busy |= tuner.step()
+            seconds[s] += time.perf_counter() - t0
+    return net, tasks, {s: (t.result, seconds[s]) for s, t in tuners.items()}
 
 
 def compiled_network(net, records: dict | None):
@@ -184,7 +197,10 @@ def main(argv: list[str]) -> int:
     for name in args.networks:
         options = NETWORK_OPTIONS.get(name, {})
         measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
-        net, tasks, grad, wall = run(name, args.trials, "gradient", args.seed, options, measurer)
+        strategies = ["gradient"] + ([] if args.no_round_robin else ["round-robin"])
+        net, tasks, runs = tune(name, args.trials, strategies, args.seed, options, measurer)
+        measurer.close()
+        grad, wall = runs["gradient"]
         default, ok_default = compiled_network(net, None)
         best = {t.workload_key: s for t, s in zip(tasks, grad.best_steps) if s}
         tuned, ok_tuned = compiled_network(net, best)
@@ -197,20 +213,22 @@ def main(argv: list[str]) -> int:
         row = {"network": name, "tasks": len(tasks), "trials": grad.trials, "default_ms": timed["default"][1],
                "tuned_ms": timed["tuned"][1], "torch_ms": timed["tuned"][0],
                "checked": ok_default and ok_tuned, "tune_wall_s": wall,
-               "est_latency_ms": grad.estimated_latency * 1e3, "gradient_curve": grad.curve}
+               "est_latency_ms": grad.estimated_latency * 1e3, "gradient_curve": grad.curve,
+               "task_best_ms": [c * 1e3 for c in grad.best_costs]}
         row["speedup_vs_torch"] = timed["tuned"][2]
         row["default_vs_torch"] = timed["default"][2]
-        if not args.no_round_robin:
-            _, _, rr, _ = run(name, args.trials, "round-robin", args.seed, options, measurer)
+        if "round-robin" in runs:
+            rr, rr_wall = runs["round-robin"]
             target = rr.curve[-1][1]
             reached = trials_to_reach(grad.curve, target)
             row["rr_final_objective_ms"] = target * 1e3
             row["gradient_final_objective_ms"] = grad.curve[-1][1] * 1e3
             row["rr_trials"] = rr.trials
+            row["rr_wall_s"] = rr_wall
             row["gradient_trials_to_rr_final"] = reached
             row["gradient_needs_fewer_trials"] = reached is not None and reached < rr.trials
             row["rr_curve"] = rr.curve
-        measurer.close()
+            row["rr_task_best_ms"] = [c * 1e3 for c in rr.best_costs]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("curve")}), flush=True)
     print_table(rows, ["network", "tasks", "trials", "default_ms", "tuned_ms", "torch_ms", "default_vs_torch",

@@ -228,16 +228,12 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
 
     stopped = ""
     try:
-        for i in s.sched.warmup_order():
-            if done >= trials:
-                break
-            one(i)
-        s.sched.after_warmup()
         while done < trials:
-            if latency_target_ms is not None and s.estimate() * 1e3 <= latency_target_ms:
+            warm = not s.sched.warmup_order()
+            if warm and latency_target_ms is not None and s.estimate() * 1e3 <= latency_target_ms:
                 stopped = f"the estimate {_ms(s.estimate())} meets the target of {latency_target_ms} ms"
                 break
-            i = s.sched.next_task()
+            i = s.sched.choose()
             if i is None:
                 stopped = "every task is exhausted or dead"
                 break

@@ -226,6 +226,59 @@ def network_tasks(network: str | Graph, target: str = "llvm", **options) -> tupl
     return net, [make_task(t.dag, target, t.name, t.weight) for t in net.tasks]
 
 
+class NetworkTuner:
+    """`tune_network` one round at a time: `step()` runs the next round the scheduler chooses, so a caller
+    can stop between rounds or let two schedulers take turns on one machine (the benchmark does, so that
+    the machine's drift hits both alike)."""
+
+    def __init__(self, tasks: list[SearchTask], trials: int, measurer, *, model: str | CostModel = "xgb",
+                 params: SearchParams | None = None, records: RecordStore | None = None,
+                 strategy: str = "gradient", objective=None, seed: int = 0, flow_run_id: str = "",
+                 network_name: str = "", scheduler_options: dict | None = None,
+                 progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None):
+        from search.task_scheduler import TaskScheduler
+        self.trials, self.measurer, self.records, self.progress = trials, measurer, records, progress
+        self.flow_run_id, self.network_name = flow_run_id, network_name
+        params = params or SearchParams()
+        shared = make_model(model, seed)
+        self.policies = [SketchPolicy(t, shared, params, seed=seed + i, seeds=default_seeds(t))
+                         for i, t in enumerate(tasks)]
+        self.sched = TaskScheduler(tasks, objective=objective, strategy=strategy, seed=seed,
+                                   **(scheduler_options or {}))
+        if records is not None:
+            for i, p in enumerate(self.policies):
+                n = resume_policy(p, records)
+                if n and p.best is not None:
+                    self.sched.restore(i, max(1, n // params.num_measures_per_round), p.best_cost)
+        self.per_round = max(1, min(params.num_measures_per_round, trials // len(tasks)))
+        self.result = NetworkTuneResult(tasks, list(self.sched.best_costs),
+                                        [p.best[1].steps_json if p.best else None for p in self.policies], 0)
+        self.rounds = 0
+
+    def step(self) -> bool:
+        """Tune the next task for one round; False (and nothing done) once the budget is spent or every
+        task is dead."""
+        if self.result.trials >= self.trials:
+            return False
+        i = self.sched.choose()
+        if i is None:
+            return False
+        policy, result = self.policies[i], self.result
+        batch, measured, log = run_round(policy, self.measurer, self.per_round, records=self.records,
+                                         round_=self.rounds, flow_run_id=self.flow_run_id,
+                                         network=self.network_name)
+        self.sched.record(i, [r.mean for r in measured], exhausted=not batch)
+        result.trials += len(batch)
+        result.best_costs = list(self.sched.best_costs)
+        result.best_steps[i] = policy.best[1].steps_json if policy.best else None
+        result.curve.append((result.trials, self.sched.score()))
+        result.decisions = list(self.sched.decisions)
+        self.rounds += 1
+        if self.progress is not None:
+            self.progress(i, log, result)
+        return True
+
+
 def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measurer=None,
                  model: str | CostModel = "xgb", params: SearchParams | None = None,
                  records: RecordStore | None = None, strategy: str = "gradient", objective=None, seed: int = 0,
@@ -236,58 +289,23 @@ def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measur
 
     `network`: its tasks, or a builder name / Graph (then split with `network_tasks(network, target,
     **network_options)`); records are labelled with `network_name` (default: the graph's name)."""
-    from search.task_scheduler import TaskScheduler
     if isinstance(network, list):
         tasks = network
     else:
         net, tasks = network_tasks(network, target, **(network_options or {}))
         network_name = network_name or net.source.name
-    params = params or SearchParams()
-    shared = make_model(model, seed)
-    policies = [SketchPolicy(t, shared, params, seed=seed + i, seeds=default_seeds(t)) for i, t in enumerate(tasks)]
-    sched = TaskScheduler(tasks, objective=objective, strategy=strategy, seed=seed, **(scheduler_options or {}))
-    if records is not None:
-        for i, p in enumerate(policies):
-            n = resume_policy(p, records)
-            if n and p.best is not None:
-                sched.restore(i, max(1, n // params.num_measures_per_round), p.best_cost)
-    per_round = max(1, min(params.num_measures_per_round, trials // len(tasks)))
     own = measurer is None
     measurer = measurer or ProgramMeasurer()
-    result = NetworkTuneResult(tasks, list(sched.best_costs), [p.best[1].steps_json if p.best else None
-                                                               for p in policies], 0)
-    rnd = 0
-
-    def one(i: int) -> bool:
-        nonlocal rnd
-        batch, results, log = run_round(policies[i], measurer, per_round, records=records, round_=rnd,
-                                        flow_run_id=flow_run_id, network=network_name)
-        sched.record(i, [r.mean for r in results], exhausted=not batch)
-        result.trials += len(batch)
-        result.best_costs = list(sched.best_costs)
-        result.best_steps[i] = policies[i].best[1].steps_json if policies[i].best else None
-        result.curve.append((result.trials, sched.score()))
-        if progress is not None:
-            progress(i, log, result)
-        rnd += 1
-        return bool(batch)
-
     try:
-        for i in sched.warmup_order():
-            if result.trials >= trials:
-                break
-            one(i)
-        sched.after_warmup()
-        while result.trials < trials:
-            i = sched.next_task()
-            if i is None:
-                break
-            one(i)
+        tuner = NetworkTuner(tasks, trials, measurer, model=model, params=params, records=records,
+                             strategy=strategy, objective=objective, seed=seed, flow_run_id=flow_run_id,
+                             network_name=network_name, scheduler_options=scheduler_options, progress=progress)
+        while tuner.step():
+            pass
     finally:
         if own:
             measurer.close()
-    result.decisions = list(sched.decisions)
-    return result
+    return tuner.result
 
 
 def best_steps(task: SearchTask, records: RecordStore) -> str | None:

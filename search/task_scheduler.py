@@ -67,7 +67,7 @@ class TaskScheduler:
     history: list[list[float]] = field(init=False)    # best cost after each of its rounds
     trials: list[int] = field(init=False)
     dead: set[int] = field(init=False)
-    decisions: list[tuple[int, str]] = field(init=False)   # (task, why) for every choice
+    decisions: list[tuple[int, str]] = field(init=False)   # (task, why) for every choice after warm-up
 
     def __post_init__(self):
         if not self.tasks:
@@ -84,6 +84,7 @@ class TaskScheduler:
         self.decisions = []
         self._rng = random.Random(self.seed)
         self._rr = -1
+        self._warmed_up = False
         self.tags = [similarity_tag(t) for t in self.tasks]
         self.groups: dict[str, list[int]] = {}
         for i, tag in enumerate(self.tags):
@@ -126,6 +127,17 @@ class TaskScheduler:
         for i, c in enumerate(self.best_costs):
             if c >= INF_COST:
                 self.dead.add(i)
+
+    def choose(self) -> int | None:
+        """The task for the next round: each task not tuned yet first, in order (the warm-up), then the
+        strategy's choice; None when every task is dead."""
+        pending = [i for i in self.warmup_order() if i not in self.dead]
+        if pending:
+            return pending[0]
+        if not self._warmed_up:
+            self.after_warmup()
+            self._warmed_up = True
+        return self.next_task()
 
     def gradient(self, i: int) -> float:
         costs = list(self.best_costs)

@@ -86,6 +86,17 @@ def test_round_robin_and_dead_tasks(tasks):
     assert s.next_task() == 2 and s.dead == {0, 1}
 
 
+def test_choose_runs_the_warm_up_in_order_then_the_strategy(tasks):
+    s = TaskScheduler(tasks, strategy="round-robin")
+    chosen = []
+    for cost in (1e-5, math.inf, 1e-5, 1e-5, 1e-5):
+        i = s.choose()
+        chosen.append(i)
+        s.record(i, [cost])
+    assert chosen == [0, 1, 2, 0, 2] and s.dead == {1}     # task 1 found nothing in its warm-up round
+    assert [why for _, why in s.decisions] == ["round-robin"] * 2
+
+
 def test_early_stopping_per_task(tasks):
     s = TaskScheduler(tasks, early_stopping_task=10)
     s.record(0, [1e-5] * 8)

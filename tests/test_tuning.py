@@ -87,18 +87,23 @@ def test_the_trained_model_steers_evolution(measurer):
     assert np.median(evolved) > np.quantile(random_scores, 0.9)
 
 
-def test_tune_network_takes_a_network_and_its_records_run_it(tmp_path, measurer):
-    # A Graph (an imported ONNX model is one too) goes straight to tune_network; the best records then
-    # build the whole network, which matches the graph's NumPy reference.
-    from codegen.network_runtime import build_network
-    from flows.tuning import network_tasks, tune_network
+def _mlp():
+    """Two dense layers: a network of two tasks."""
     from tasks.graph import GraphBuilder
     rng = np.random.default_rng(0)
     g = GraphBuilder("mlp")
     x = g.input("x", (8, 32))
     h = g.add("relu", [g.add("dense", [x, g.constant(rng.standard_normal((24, 32), dtype=np.float32)),
                                        g.constant(rng.standard_normal(24, dtype=np.float32))])])
-    graph = g.build([g.add("dense", [h, g.constant(rng.standard_normal((16, 24), dtype=np.float32))])])
+    return g.build([g.add("dense", [h, g.constant(rng.standard_normal((16, 24), dtype=np.float32))])])
+
+
+def test_tune_network_takes_a_network_and_its_records_run_it(tmp_path, measurer):
+    # A Graph (an imported ONNX model is one too) goes straight to tune_network; the best records then
+    # build the whole network, which matches the graph's NumPy reference.
+    from codegen.network_runtime import build_network
+    from flows.tuning import network_tasks, tune_network
+    graph = _mlp()
     store = RecordStore(str(tmp_path / "records"))
     res = tune_network(graph, 16, measurer=measurer, params=SearchParams(population=64, sample_init_population=64,
                                                                          num_iters=1, num_measures_per_round=4),
@@ -114,3 +119,27 @@ def test_tune_network_takes_a_network_and_its_records_run_it(tmp_path, measurer)
     best = {t.workload_key: s for t, s in zip(res.tasks, res.best_steps)}
     assert all(best.values())
     assert build_network(net, best).check().passed
+
+
+def test_two_network_tuners_take_turns_on_one_measurer(tmp_path, measurer):
+    """The benchmark lets gradient and round-robin alternate rounds so the machine's drift hits both: each
+    stops at its own budget, and with the same seed their warm-up rounds measure the same programs."""
+    from flows.tuning import NetworkTuner, network_tasks
+    _, tasks = network_tasks(_mlp())
+    params = SearchParams(population=32, sample_init_population=32, num_iters=1, num_measures_per_round=4)
+    stores = {s: RecordStore(str(tmp_path / s)) for s in ("gradient", "round-robin")}
+    tuners = {s: NetworkTuner(tasks, 4 * len(tasks) + 8, measurer, params=params, records=stores[s], strategy=s)
+              for s in stores}
+    turns = []
+    while True:
+        stepped = [s for s, t in tuners.items() if t.step()]
+        if not stepped:
+            break
+        turns += stepped
+    assert turns[:2] == ["gradient", "round-robin"]
+    for s, t in tuners.items():
+        assert t.result.trials == 4 * len(tasks) + 8 and not t.step()
+        assert [o for _, o in t.result.curve] == sorted((o for _, o in t.result.curve), reverse=True)
+    warm = {s: set(f.query("round < @n", local_dict={"n": len(tasks)})["steps"]) for s, f in
+            ((s, st.read()) for s, st in stores.items())}
+    assert warm["gradient"] == warm["round-robin"]
