@@ -22,7 +22,13 @@ from storage.layout import DataFile, classify, target_segment
 from storage.schema import DATASET_SCHEMA, fill_missing_columns
 
 _SENTINEL = "schema_version"
-_ATTEMPTS = 8
+_ATTEMPTS = 12
+
+
+def _back_off(attempt: int) -> None:
+    """Let the compaction we overlapped finish: 20 ms, 40 ms, ... then 1 s, about 6 s over all attempts
+    (four writers merging every few files on two cores outlasted eight quick retries)."""
+    time.sleep(min(1.0, 0.01 * 2 ** attempt))
 
 
 class StoreChangedError(RuntimeError):
@@ -61,7 +67,7 @@ class Scanner:
         slow = False
         for attempt in range(_ATTEMPTS):
             if attempt:
-                time.sleep(0.01 * 2 ** attempt)  # let the compaction we overlapped finish
+                _back_off(attempt)
             started = time.monotonic()
             if targets is None:
                 infos = list_files(self.location, self.location.root)
@@ -94,7 +100,9 @@ class Scanner:
         `leaders` reads only row group 0 of compaction outputs: the best row of each (task, network)
         in that file, which is all the best-record query needs from it.
         """
-        for _ in range(_ATTEMPTS):
+        for attempt in range(_ATTEMPTS):
+            if attempt:
+                _back_off(attempt)
             files = self.snapshot(targets)
             try:
                 table = self._scan(files, columns, filter, leaders)
