@@ -264,7 +264,8 @@ class NetworkTuner:
         if i is None:
             return False
         policy, result = self.policies[i], self.result
-        batch, measured, log = run_round(policy, self.measurer, self.per_round, records=self.records,
+        n = min(self.per_round, self.trials - result.trials)
+        batch, measured, log = run_round(policy, self.measurer, n, records=self.records,
                                          round_=self.rounds, flow_run_id=self.flow_run_id,
                                          network=self.network_name)
         self.sched.record(i, [r.mean for r in measured], exhausted=not batch)
