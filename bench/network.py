@@ -1,14 +1,18 @@
 """`python -m bench network NETWORK`: whole networks, default schedules vs tuned vs PyTorch CPU eager.
 
 Extracts the network's tasks, tunes them with the gradient task scheduler (and, at the same number of
-trials and taking turns with it round by round, with round-robin), builds the network from the best records, checks it against the graph's
-NumPy reference and times it end to end. PyTorch runs the same architecture written by hand with
-torch.nn (torchvision does not import beside the CPU torch wheel), eager, with the same thread count.
+trials, from the same warm-up and taking turns with it round by round, with round-robin), builds the
+network from the best records, checks it against the graph's NumPy reference and times it end to end.
+PyTorch runs the same architecture written by hand with torch.nn (torchvision does not import beside
+the CPU torch wheel), eager, with the same thread count.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import tempfile
 import time
 
 from bench.common import ensure_clean_blas_env, paired_ms, print_table, torch_threads, write_json
@@ -144,28 +148,50 @@ def torch_fn(name: str, threads: int, options: dict):
 
 # ---------------------------------------------------------------------------------- tensortune
 
-def tune(name: str, trials: int, strategies: list[str], seed: int, options: dict, measurer) -> tuple:
-    """(network, tasks, {strategy: (result, seconds)}): the strategies take turns, one round each, on
-    one measurer, so that this VM's drift (which moved a task's timings by 30% within minutes) hits them
-    alike; the same seeds make their warm-up rounds measure the same programs."""
+def tune(name: str, trials: int, strategies: list[str], seed: int, options: dict, measurer,
+         records: str | None = None) -> tuple:
+    """(network, tasks, {strategy: (result, seconds)}). The warm-up (a round per task) runs once; each
+    strategy resumes from a copy of its records, so all start from the same programs, cost model and
+    bests, and they take turns, one round each, on one measurer, so that this VM's drift (which moved
+    a task's timings by 30% within minutes) hits them alike. Curves and times include the warm-up."""
     from flows.tuning import NetworkTuner, network_tasks
+    from storage.records import RecordStore
     net, tasks = network_tasks(name, "llvm", **options)
+    home = records or tempfile.mkdtemp(prefix="tensortune-bench-network-")
 
-    def progress(strategy):
-        return lambda i, log, r: print(f"  {name} [{strategy}] {r.trials}/{trials} trials, task {i} best "
-                                       f"{log.best_gflops:.1f} GFLOP/s, est. {r.estimated_latency * 1e3:.2f} ms",
-                                       flush=True)
-    tuners = {s: NetworkTuner(tasks, trials, measurer, strategy=s, seed=seed, progress=progress(s))
-              for s in strategies}
-    seconds = dict.fromkeys(strategies, 0.0)
+    def tuner(label: str, budget: int, strategy: str = "round-robin") -> NetworkTuner:
+        return NetworkTuner(tasks, budget, measurer, strategy=strategy, seed=seed, network_name=name,
+                            records=RecordStore(os.path.join(home, label)),
+                            progress=lambda i, log, r: print(
+                                f"  {name} [{label}] {r.trials}/{budget} trials, task {i} best "
+                                f"{log.best_gflops:.1f} GFLOP/s, est. {r.estimated_latency * 1e3:.2f} ms", flush=True))
+    t0 = time.perf_counter()
+    warm = tuner("warm-up", trials)
+    for _ in tasks:
+        warm.step()
+    warm_s, warm_trials = time.perf_counter() - t0, warm.result.trials
+    tuners = {}
+    for s in strategies:
+        shutil.copytree(os.path.join(home, "warm-up"), os.path.join(home, s))
+        tuners[s] = tuner(s, trials - warm_trials, s)
+        tuners[s].per_round = warm.per_round       # the round size of the whole budget, as in one run
+    seconds = dict.fromkeys(strategies, warm_s)
     busy = True
     while busy:
         busy = False
-        for s, tuner in tuners.items():
+        for s, t in tuners.items():
             t0 = time.perf_counter()
-            busy |= tuner.step()
+            busy |= t.step()
             seconds[s] += time.perf_counter() - t0
-    return net, tasks, {s: (t.result, seconds[s]) for s, t in tuners.items()}
+    out = {}
+    for s, t in tuners.items():
+        res = t.result
+        res.trials += warm_trials
+        res.curve = warm.result.curve + [(n + warm_trials, obj) for n, obj in res.curve]
+        out[s] = (res, seconds[s])
+    if records is None:
+        shutil.rmtree(home, ignore_errors=True)
+    return net, tasks, out
 
 
 def compiled_network(net, records: dict | None):
@@ -191,6 +217,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-round-robin", action="store_true", help="skip the round-robin comparison")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--records", metavar="DIR", help="keep the records in DIR/<network>/{warm-up,<strategy>} "
+                                                      "(a fresh folder: a stored history would be resumed)")
     args = ap.parse_args(argv)
     from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
     rows = []
@@ -198,7 +226,8 @@ def main(argv: list[str]) -> int:
         options = NETWORK_OPTIONS.get(name, {})
         measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
         strategies = ["gradient"] + ([] if args.no_round_robin else ["round-robin"])
-        net, tasks, runs = tune(name, args.trials, strategies, args.seed, options, measurer)
+        net, tasks, runs = tune(name, args.trials, strategies, args.seed, options, measurer,
+                                os.path.join(args.records, name) if args.records else None)
         measurer.close()
         grad, wall = runs["gradient"]
         default, ok_default = compiled_network(net, None)
@@ -214,7 +243,9 @@ def main(argv: list[str]) -> int:
                "tuned_ms": timed["tuned"][1], "torch_ms": timed["tuned"][0],
                "checked": ok_default and ok_tuned, "tune_wall_s": wall,
                "est_latency_ms": grad.estimated_latency * 1e3, "gradient_curve": grad.curve,
-               "task_best_ms": [c * 1e3 for c in grad.best_costs]}
+               "task_best_ms": [c * 1e3 for c in grad.best_costs],
+               # where the tuned network spends its time, per task (all its calls), against weight x best
+               "task_in_network_ms": [v * 1e3 for v in tuned.profile(repeat=5).values()]}
         row["speedup_vs_torch"] = timed["tuned"][2]
         row["default_vs_torch"] = timed["default"][2]
         if "round-robin" in runs:
