@@ -229,8 +229,8 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
     stopped = ""
     try:
         while done < trials:
-            warm = not s.sched.warmup_order()
-            if warm and latency_target_ms is not None and s.estimate() * 1e3 <= latency_target_ms:
+            warmed_up = not s.sched.warmup_order()
+            if warmed_up and latency_target_ms is not None and s.estimate() * 1e3 <= latency_target_ms:
                 stopped = f"the estimate {_ms(s.estimate())} meets the target of {latency_target_ms} ms"
                 break
             i = s.sched.choose()
