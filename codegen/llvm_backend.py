@@ -35,6 +35,14 @@ def _init() -> bool:
     return True
 
 
+def set_default_threads(n: int) -> None:
+    """libgomp's default team size in this process (what OMP_NUM_THREADS would have set). Generated
+    kernels carry their own thread count; this keeps anything else a runner runs from inheriting a
+    worker's OMP_NUM_THREADS=1."""
+    _init()
+    ctypes.CDLL(ctypes.util.find_library("gomp")).omp_set_num_threads(ctypes.c_int(n))
+
+
 def _new_target_machine(cpu: str, features: str):
     _init()
     return llvm.Target.from_default_triple().create_target_machine(
@@ -70,7 +78,7 @@ def assembly(ir: str, target: Target) -> str:
 
 def build_lowered(func: LoweredFunc, target: Target | str = "llvm", keep_source: bool = False) -> Artifact:
     target = parse_target(target)
-    ir = generate_llvm_ir(func, target.cpu, target.features)
+    ir = generate_llvm_ir(func, target.cpu, target.features, target.num_threads)
     obj = compile_ir(ir, target)
     return Artifact("llvm", func.name, obj, tuple((b.name, b.shape, b.dtype) for b in func.args),
                     source=ir if keep_source else "")
@@ -95,6 +103,13 @@ class LLVMKernel:
         self._packed = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._engine.get_function_address(name + "_packed"))
         self._repeat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(
             self._engine.get_function_address(name + "_repeat"))
+        seen = self._engine.get_global_value_address(name + "_threads")     # 0: a hand-written kernel
+        self._threads = ctypes.c_int32.from_address(seen) if seen else None
+
+    @property
+    def threads_seen(self) -> int:
+        """The threads the last parallel loop this kernel ran had (0: it has run none)."""
+        return int(self._threads.value) if self._threads is not None else 0
 
     def pack(self, arrays) -> ctypes.Array:
         specs = self.artifact.args

@@ -104,6 +104,8 @@ class LLVMCodegen:
     """Emits one module: the kernel, its outlined parallel bodies, and call wrappers."""
 
     def __init__(self, func: LoweredFunc, cpu: str, features: str, num_threads: int = 0):
+        """num_threads: the threads of every parallel loop, compiled in (0 leaves it to libgomp, which
+        reads OMP_NUM_THREADS: only for code that must follow its process's setting)."""
         self.func, self.cpu, self.features, self.num_threads = func, cpu, features, num_threads
         self.module = _Module()
         self.n_outlined = 0
@@ -137,7 +139,10 @@ class LLVMCodegen:
         attrs = (f'attributes #0 = {{ nounwind "target-cpu"="{self.cpu}" "target-features"="{self.features}" '
                  f'"prefer-vector-width"="512" "min-legal-vector-width"="512" "frame-pointer"="none" }}\n'
                  'attributes #1 = { noinline }')
-        parts = list(self.module.decls.values()) + [fn.text() for fn in self.module.functions] + [wrappers, attrs]
+        # what the last parallel loop ran on, read back by the runner: a kernel that got fewer threads
+        # than its target asks for is reported, not timed as if it were the configuration tuned for
+        seen = f"@{f.name}_threads = global i32 0, align 4"
+        parts = [seen] + list(self.module.decls.values()) + [fn.text() for fn in self.module.functions] + [wrappers, attrs]
         return "\n".join(parts) + "\n"
 
     def _wrappers(self) -> str:
@@ -299,6 +304,7 @@ class LLVMCodegen:
         tid, nt = entry.tmp("tid"), entry.tmp("nt")
         entry.emit(f"{tid}.32 = call i32 @omp_get_thread_num()")
         entry.emit(f"{nt}.32 = call i32 @omp_get_num_threads()")
+        entry.emit(f"store atomic i32 {nt}.32, ptr @{self.func.name}_threads monotonic, align 4")
         entry.emit(f"{tid} = sext i32 {tid}.32 to i64")
         entry.emit(f"{nt} = sext i32 {nt}.32 to i64")
         ext = loop.extent

@@ -187,9 +187,11 @@ def run_job(payload: tuple) -> tuple[list[float], int, str]:
     if artifact.kind == "cuda":
         from codegen.cuda_backend import run_artifact
         return run_artifact(_task(task_json), artifact, cfg)
-    from codegen.llvm_backend import LLVMKernel
-    kernel = LLVMKernel(artifact)
+    from codegen.llvm_backend import LLVMKernel, set_default_threads
     task = _task(task_json)
+    threads = task.hardware.num_cores
+    set_default_threads(threads)
+    kernel = LLVMKernel(artifact)
     if cfg.check_correctness and cfg.reference:
         inputs, refs = load_reference(cfg.reference, len(task.dag.inputs))
         outs = [np.full(t.shape, np.nan, dtype=t.dtype) if np.issubdtype(np.dtype(t.dtype), np.floating)
@@ -207,6 +209,10 @@ def run_job(payload: tuple) -> tuple[list[float], int, str]:
     best = _BEST_SEEN.get(task.workload_key)
     cutoff = best * cfg.slow_factor if best is not None and cfg.slow_factor > 0 else None
     costs = time_runs(lambda n: kernel.run_packed(packed, n), cfg, flush_cpu_cache, warm=warm, cutoff_s=cutoff)
+    if kernel.threads_seen not in (0, threads):
+        return [], int(ErrorCode.RUNTIME_DEVICE), (
+            f"the kernel's parallel loops ran on {kernel.threads_seen} threads, its target asks for {threads} "
+            "(OMP_THREAD_LIMIT or another limit in the runner's environment?): not timed as if it were")
     _BEST_SEEN[task.workload_key] = min(best if best is not None else math.inf, min(costs))
     return costs, int(ErrorCode.NO_ERROR), ""
 

@@ -22,11 +22,14 @@ class Target:
     arch: str = ""                              # cuda: sm_90
     options: tuple = field(default=())
     hardware: HardwareParams = field(default=None, compare=False)
+    num_threads: int = 0                        # llvm: the threads every parallel loop runs on
 
     def __str__(self) -> str:
+        """The target as records store it: CPU and thread count are both part of what was measured, so
+        history taken with another thread count never answers for this one."""
         if self.kind == "cuda":
             return f"cuda -arch={self.arch}"
-        return f"llvm -mcpu={self.cpu}"
+        return f"llvm -mcpu={self.cpu} -num-threads={self.num_threads}"
 
     @property
     def is_gpu(self) -> bool:
@@ -47,9 +50,26 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def default_threads() -> int:
+    """The cores this process may run on. Deliberately not OMP_NUM_THREADS: a Dask nanny sets that to 1
+    in every worker it spawns, and a kernel tuned under it would be tuned for one core."""
+    return _cpu_count()
+
+
+def _threads_option(opts: dict[str, str], text: str) -> int:
+    value = opts.get("num-threads", opts.get("num-cores"))
+    if value is None:
+        return default_threads()
+    if not value.isdigit() or int(value) < 1:
+        raise TargetError(f"-num-threads must be a positive integer, got {value!r} in {text!r}")
+    return int(value)
+
+
 def parse_target(text: str | Target = "llvm") -> Target:
-    """'llvm' (this host), 'llvm -mcpu=znver4 -mattr=+avx2', 'cuda' (this machine's GPU when there is
-    one, else sm_90), 'cuda -arch=sm_90 [-max-threads=N -max-shared-memory=B -warp-size=W -num-sms=S]'."""
+    """'llvm' (this host, all its cores), 'llvm -mcpu=znver4 -mattr=+avx2 -num-threads=4', 'cuda' (this
+    machine's GPU when there is one, else sm_90), 'cuda -arch=sm_90 [-max-threads=N -max-shared-memory=B
+    -warp-size=W -num-sms=S]'. An llvm target's thread count (`-num-threads`, or TVM's `-num-cores`) is
+    compiled into every parallel loop, so a kernel runs on it whatever its process's environment says."""
     if isinstance(text, Target):
         return text
     try:
@@ -62,9 +82,10 @@ def parse_target(text: str | Target = "llvm") -> Target:
         cpu = opts.get("mcpu", host_cpu)
         features = opts.get("mattr", host_features if cpu == host_cpu else "")
         vec = 64 if "+avx512f" in features else 32 if "+avx2" in features or "+avx" in features else 16
-        cores = int(opts.get("num-cores", _cpu_count()))
+        threads = _threads_option(opts, text)
+        opts = {k: v for k, v in opts.items() if k not in ("num-threads", "num-cores")}
         return Target("llvm", cpu, features, options=tuple(sorted(opts.items())),
-                      hardware=HardwareParams(num_cores=cores, vector_unit_bytes=vec))
+                      hardware=HardwareParams(num_cores=threads, vector_unit_bytes=vec), num_threads=threads)
     if kind == "cuda":
         if not opts and (local := _local_gpu()) is not None:
             return local                         # bare "cuda": this machine's GPU, with its own limits

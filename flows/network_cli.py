@@ -23,6 +23,16 @@ ImageSizeOption = Annotated[Optional[int], typer.Option("--image-size", min=1,
 InputShapeOption = Annotated[Optional[list[str]], typer.Option(
     "--input-shape", help="ONNX: NAME=D0,D1,... for an input with symbolic dimensions (repeatable).")]
 TargetOption = Annotated[str, typer.Option("--target", help="Target the tasks are for ('llvm' = this CPU).")]
+ThreadsOption = Annotated[Optional[int], typer.Option(
+    "--threads", min=1, help="CPU threads every kernel runs on (default: all cores; the target's -num-threads).")]
+
+
+def with_threads(target: str, threads: int | None) -> str:
+    """The target string with `-num-threads=threads` when --threads is given."""
+    if threads is None:
+        return target
+    kept = [p for p in target.split() if not p.startswith(("-num-threads=", "-num-cores="))]
+    return " ".join(kept + [f"-num-threads={threads}"])
 
 
 def load_graph(network: str, batch: int | None = None, seq_len: int | None = None, layers: int | None = None,
@@ -98,26 +108,6 @@ def extract(network: NetworkArg, batch: BatchOption = None, seq_len: SeqLenOptio
     console.print(f"total: {net.total_flops / 1e9:,.3f} GFLOP per run, {sum(t.weight for t in tasks)} kernel calls")
 
 
-def best_records(path: str, target: str = "llvm") -> dict[str, str]:
-    """workload_key -> steps JSON of the fastest record for this target's CPU in the record store."""
-    from codegen.target import parse_target
-    from storage.records import RecordStore
-    frame = RecordStore(path, auto_compact=None).best_per_task()
-    if frame.empty:
-        return {}
-    want = parse_target(target)
-
-    def same(t: str) -> bool:
-        try:
-            got = parse_target(t)
-        except ValueError:
-            return False
-        return got.kind == want.kind and got.cpu == want.cpu
-
-    frame = frame[frame["target"].map(same)].sort_values("mean_latency", kind="stable")
-    return {row["workload_key"]: row["steps"] for row in frame.drop_duplicates("workload_key").to_dict("records")}
-
-
 @app.command("run-network")
 def run_network(network: NetworkArg,
                 records: Annotated[Optional[str], typer.Option(
@@ -127,41 +117,40 @@ def run_network(network: NetworkArg,
                 batch: BatchOption = None, seq_len: SeqLenOption = None, layers: LayersOption = None,
                 image_size: ImageSizeOption = None, input_shape: InputShapeOption = None,
                 repeat: Annotated[int, typer.Option("--repeat", min=1, help="Timed runs.")] = 10,
-                target: TargetOption = "llvm",
+                target: TargetOption = "llvm", threads: ThreadsOption = None,
                 check: Annotated[bool, typer.Option("--check/--no-check",
                                                     help="Compare the outputs with the NumPy reference.")] = True,
                 ) -> None:
-    """Compile every task (best record, else a default schedule), run the network end to end, print latency."""
-    from codegen.network_runtime import build_network
+    """Compile every task (best record, else a default schedule), run the network end to end, print latency.
+
+    The network runs on the thread count its records were tuned with (the target they were measured
+    on), unless --threads or a target with -num-threads says otherwise."""
+    from codegen.target import TargetError
+    from flows.tuned_network import measure_tuned_network
+    from storage.records import RecordStore
     graph = _load(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                   input_shapes=input_shape)
     net = _extract(graph)
-    best: dict[str, str] = {}
+    target = with_threads(target, threads)
+    store = None
     if records:
-        try:
-            best = best_records(records, target)
-        except (OSError, ValueError) as err:
-            _fail(f"cannot read records from {records}: {err}")
+        if "://" not in records and not os.path.isdir(records):
+            _fail(f"no record store at {records}")
+        store = RecordStore(records, auto_compact=None)
     console = Console(width=max(120, Console().width))
     try:
-        compiled = build_network(net, best, target)
-    except ValueError as err:
+        timing = measure_tuned_network(net, store, target, repeat=repeat, check=check)
+    except (TargetError, OSError, ValueError) as err:
         _fail(str(err))
-    per_task = compiled.profile(repeat=1)
-    table = Table(title=f"{graph.name}: {len(net.tasks)} tasks")
-    for header in ("#", "task", "weight", "MFLOP", "ms per run", "schedule"):
+    table = Table(title=f"{graph.name}: {len(net.tasks)} tasks on {timing.target}")
+    for header in ("#", "task", "weight", "estimated ms", "ms per run", "schedule"):
         table.add_column(header)
-    for i, k in enumerate(compiled.kernels):
-        table.add_row(str(i), k.name, str(k.weight), f"{k.flops / 1e6:,.2f}", f"{per_task[i] * 1e3:.3f}", k.source)
+    for i, t in enumerate(timing.tasks):
+        est = f"{t.weight * t.estimate_s * 1e3:.3f}" if t.estimate_s == t.estimate_s else "-"
+        table.add_row(str(i), t.name, str(t.weight), est, f"{t.measured_s * 1e3:.3f}", t.source)
     console.print(table)
-    if check:
-        result = compiled.check()
-        console.print(f"check against the NumPy reference: {result}")
-        if not result.passed:
-            raise typer.Exit(code=2)
-    lat = compiled.benchmark(repeat=repeat)
-    tuned = sum(k.source == "record" for k in compiled.kernels)
-    console.print(f"latency: {lat.mean_ms:.3f} ms mean, {lat.median_ms:.3f} ms median, {lat.std_ms:.3f} ms std "
-                  f"over {repeat} runs ({net.total_flops / 1e9:.3f} GFLOP, "
-                  f"{net.total_flops / max(lat.median_ms, 1e-9) / 1e6:.1f} GFLOP/s; {tuned}/{len(compiled.kernels)} "
-                  f"tasks from records)")
+    console.print(timing.line(), soft_wrap=True)
+    if timing.gap_too_large:
+        console.print(f"[yellow]warning:[/yellow] measured and estimated latency differ by {timing.gap:+.0%}")
+    if not timing.passed:
+        raise typer.Exit(code=2)

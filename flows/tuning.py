@@ -85,7 +85,8 @@ def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureRe
             round=round_, task_name=task.name, network=network, latencies=list(r.costs),
             mean_latency=r.mean, error_code=int(r.error_code), error_msg=r.error_msg[:2000],
             build_seconds=r.build_seconds, run_seconds=r.run_seconds, model_version=model_version,
-            predicted_score=float(scores[i]) if scores is not None else math.nan, flops=task.flops, host=r.host))
+            predicted_score=float(scores[i]) if scores is not None else math.nan, flops=task.flops, host=r.host,
+            num_threads=task.hardware.num_cores if task.target_kind == "llvm" else 0))
     return out
 
 

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 import pandas as pd
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: num_threads
 
 # TVM's auto_scheduler MeasureErrorNo, so error codes mean the same thing in both tools.
 ERROR_NAMES: dict[int, str] = {
@@ -73,6 +73,7 @@ class MeasureRecord:
     predicted_score: float = math.nan
     tool_version: str = TOOL_VERSION
     flops: float = math.nan  # the task's FLOP count
+    num_threads: int = 0  # CPU threads the kernel was timed on (0: a GPU kernel, or written before v2)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -114,6 +115,7 @@ FILE_SCHEMA = pa.schema([
     ("predicted_score", pa.float64()),
     ("tool_version", pa.string()),
     ("flops", pa.float64()),
+    ("num_threads", pa.int32()),
     ("schema_version", pa.int32()),
 ])
 
@@ -128,12 +130,13 @@ RECORD_COLUMNS: tuple[str, ...] = tuple(
 REQUIRED_COLUMNS: tuple[str, ...] = ("record_id", "workload_key", "steps", "mean_latency",
                                      "error_code", "schema_version")
 
-# What a column reads as in a file written before the column existed (version 1 is the first: none yet
-# missing). A later version that adds a column adds its default here.
+# What a column reads as in a file written before the column existed. A version that adds a column adds
+# its default here (version 2 added num_threads: 0, "not recorded").
 COLUMN_DEFAULTS: dict[str, Any] = {
     "flow_run_id": "", "round": 0, "task_name": "", "network": "", "host": "", "latencies": [],
     "gflops": math.nan, "error_msg": "", "build_seconds": math.nan, "run_seconds": math.nan,
     "model_version": "", "predicted_score": math.nan, "tool_version": "unknown", "flops": math.nan,
+    "num_threads": 0,
 }
 
 if set(RECORD_COLUMNS) != {f.name for f in fields(MeasureRecord)}:
@@ -190,7 +193,7 @@ def _row_to_record(row: Iterable[Any]) -> MeasureRecord:
     timestamp = values["timestamp"]
     values["timestamp"] = timestamp.to_pydatetime() if hasattr(timestamp, "to_pydatetime") else timestamp
     values["latencies"] = [float(x) for x in values["latencies"]]
-    for name in ("round", "error_code", "schema_version"):
+    for name in ("round", "error_code", "num_threads", "schema_version"):
         values[name] = int(values[name])
     for name in ("mean_latency", "gflops", "build_seconds", "run_seconds", "predicted_score", "flops"):
         values[name] = float(values[name])

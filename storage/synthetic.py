@@ -55,7 +55,7 @@ def synthetic_batch(rng: np.random.Generator, size: int, *, target: str = "llvm 
             mean_latency=math.inf if failed else math.nan,
             error_code=failed, error_msg="synthetic failure" if failed else "",
             build_seconds=0.05, run_seconds=0.01, model_version="v000001-00000000",
-            predicted_score=float(n[10]) / 64, flops=2.0 * 56 * 56 * 64 * 64 * 9))
+            predicted_score=float(n[10]) / 64, flops=2.0 * 56 * 56 * 64 * 64 * 9, num_threads=2))
     return records
 
 

@@ -161,3 +161,27 @@ def test_a_runner_with_cache_flush_times_correct_kernels(task):
                          LocalRunner(config=TimingConfig(number=2, repeat=2, flush_cache=True))) as m:
         (res,) = m.measure(task, [good.steps_json()])
     assert res.error_code == ErrorCode.NO_ERROR and len(res.costs) == 2 and all(c > 0 for c in res.costs)
+
+
+def _parallel_matmul(threads: int):
+    from tests.schedules import tiled_schedule
+    task = make_task(make_dag("matmul", 64, 64, 64), f"llvm -num-threads={threads}")
+    return task, tiled_schedule(task.dag, parallel=True).steps_json()
+
+
+def test_kernels_run_on_the_targets_threads_whatever_the_runner_environment():
+    """A Dask nanny sets OMP_NUM_THREADS=1 in its workers; the runner's kernels still run on the target's
+    thread count (compiled in), and a runner that cannot give them that many is an error, not a timing."""
+    from codegen.measure import build_job
+    from codegen.llvm_backend import LLVMKernel
+    task, steps = _parallel_matmul(2)
+    kernel = LLVMKernel(build_job((task.to_json(), steps, False)))
+    kernel(*task.dag.random_inputs(0), *task.dag.empty_outputs())
+    assert kernel.threads_seen == 2
+    cfg = TimingConfig(min_repeat_ms=1)
+    with ProgramMeasurer(runner=LocalRunner(config=cfg, env={"OMP_NUM_THREADS": "1"})) as m:
+        (ok,) = m.measure(task, [steps])
+    assert ok.ok, ok.error_msg
+    with ProgramMeasurer(runner=LocalRunner(config=cfg, env={"OMP_THREAD_LIMIT": "1"})) as m:
+        (limited,) = m.measure(task, [steps])
+    assert limited.error_code == ErrorCode.RUNTIME_DEVICE and "ran on 1 threads" in limited.error_msg

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 import json
+import math
 import re
 
 import numpy as np
@@ -14,6 +15,7 @@ from codegen.network_runtime import build_network, default_schedule
 from codegen.target import parse_target
 from flows import network_cli
 from flows.cli import app
+from flows.tuned_network import best_records, measure_tuned_network, tuned_target
 from storage.records import RecordStore
 from storage.schema import MeasureRecord
 from tasks.extract import extract_tasks
@@ -105,8 +107,26 @@ def _write_records(root, net, target="llvm"):
 def test_best_records_from_the_store(tmp_path):
     net = _small_net()
     task = _write_records(tmp_path, net)
-    best = network_cli.best_records(str(tmp_path))
-    assert best == {task.workload_key: tiled_schedule(task.dag).steps_json()}   # fastest on this CPU
+    steps, latency = best_records(RecordStore(str(tmp_path)), parse_target("llvm"))
+    assert steps == {task.workload_key: tiled_schedule(task.dag).steps_json()}   # fastest on this CPU
+    assert latency == {task.workload_key: 1e-3}
+
+
+def test_records_of_another_thread_count_are_not_mixed_in(tmp_path):
+    """A network is built from records of one configuration: the thread count they were tuned with is
+    followed by default, an explicit one overrides it, and records of other counts are never used."""
+    net = _small_net()
+    _write_records(tmp_path, net, "llvm -num-threads=1")
+    store = RecordStore(str(tmp_path))
+    keys = [t.workload_key for t in net.tasks]
+    assert tuned_target(store, "llvm", keys).num_threads == 1           # what the records were tuned with
+    assert tuned_target(store, "llvm -num-threads=3", keys).num_threads == 3
+    assert best_records(store, parse_target("llvm -num-threads=3")) == ({}, {})
+    timing = measure_tuned_network(net, store, "llvm", repeat=2)
+    assert timing.passed and timing.target.endswith("-num-threads=1") and timing.tuned == 1
+    assert timing.tasks[2].estimate_s == 1e-3 and math.isnan(timing.estimate_s)   # other tasks: no record
+    other = measure_tuned_network(net, store, "llvm -num-threads=2", repeat=2)
+    assert other.tuned == 0 and other.target.endswith("-num-threads=2") and other.passed
 
 
 def test_cli_extract(tmp_path):
@@ -133,8 +153,8 @@ def test_cli_run_network_with_records(tmp_path):
     args = ["run-network", "resnet-18", "--image-size", "32", "--repeat", "2", "--records", str(tmp_path)]
     out = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    assert "check against the NumPy reference: OK" in out.output
-    assert "latency:" in out.output and "1/18 tasks from records" in out.output
+    assert "check: OK" in out.output and "estimated" in out.output and "measured" in out.output
+    assert "1/18 tasks from records" in out.output and f"-num-threads={parse_target('llvm').num_threads}" in out.output
 
 
 def test_cli_run_network_onnx(tmp_path):

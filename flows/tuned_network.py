@@ -1,0 +1,135 @@
+"""The tuned network as it will be deployed: built from the store's best records, checked, timed.
+
+What a tuning run promises is an estimate: the weighted sum of each task's best latency, every kernel
+timed alone and warm. What the user gets is the network run end to end. Both the nightly flow and
+`run-network` end here, so the two figures are always printed side by side and a gap is seen.
+
+The thread count is part of the configuration: records are kept per target string, which carries
+`-num-threads`, and the network is built for the target its records were measured on (unless the
+caller asks for another thread count), so a deployed network runs on the threads it was tuned for.
+
+This module never imports Prefect: the flow runs `measure_tuned_network` on a Dask measure worker.
+"""
+from __future__ import annotations
+
+import math
+import socket
+from dataclasses import dataclass, field
+
+from codegen.network_runtime import build_network
+from codegen.target import Target, parse_target
+from storage.records import RecordStore
+from tasks.extract import NetworkTasks
+
+# estimated and measured latency further apart than this is a warning in the flow's UI and the CLI
+GAP_WARNING = 0.20
+
+
+def _threads_given(text: str) -> bool:
+    return any(part.startswith(("-num-threads=", "-num-cores=")) for part in text.split())
+
+
+def tuned_target(store: RecordStore | None, target: str, workload_keys: list[str]) -> Target:
+    """The target to build for: `target` itself when it names a thread count (or there are no
+    records); else, of the store's targets for the same CPU, the one whose records cover most of the
+    network's tasks (ties: the most threads), so `run-network` follows the thread count the network was
+    tuned with; else `target` on all cores."""
+    want = parse_target(target)
+    if store is None or want.kind != "llvm" or _threads_given(target):
+        return want
+    best = store.best_per_task()
+    if best.empty:
+        return want
+    keys = set(workload_keys)
+    coverage: dict[str, int] = {}
+    for name, frame in best.groupby("target", observed=True):
+        try:
+            got = parse_target(str(name))
+        except ValueError:
+            continue
+        if got.cpu == want.cpu and _threads_given(str(name)):
+            coverage[str(name)] = len(keys & set(frame["workload_key"]))
+    if not coverage or max(coverage.values()) == 0:
+        return want
+    return parse_target(max(coverage, key=lambda t: (coverage[t], parse_target(t).num_threads)))
+
+
+def best_records(store: RecordStore, target: Target) -> tuple[dict[str, str], dict[str, float]]:
+    """(workload_key -> steps, workload_key -> seconds) of the fastest record of each task measured on
+    exactly this target (CPU and thread count): records of other configurations are never mixed in."""
+    frame = store.best_per_task(target=str(target))
+    if frame.empty:
+        return {}, {}
+    frame = frame.sort_values("mean_latency", kind="stable").drop_duplicates("workload_key")
+    return (dict(zip(frame["workload_key"], frame["steps"])),
+            {k: float(v) for k, v in zip(frame["workload_key"], frame["mean_latency"])})
+
+
+@dataclass
+class TaskTiming:
+    name: str
+    weight: int
+    source: str                 # "record" or "default ..."
+    estimate_s: float           # the best record's latency (NaN: no record)
+    measured_s: float           # per network run, all its calls together, inside the network
+
+
+@dataclass
+class TunedNetworkTiming:
+    """Estimated beside measured latency of one build of the network."""
+    network: str
+    target: str
+    host: str
+    estimate_s: float           # weighted sum of the records' latencies (NaN: a task has none)
+    measured_s: float           # median of the end-to-end runs
+    runs: int
+    check: str                  # the check against the NumPy reference, as text
+    passed: bool
+    tasks: list[TaskTiming] = field(default_factory=list)
+
+    @property
+    def tuned(self) -> int:
+        return sum(t.source == "record" for t in self.tasks)
+
+    @property
+    def gap(self) -> float:
+        """measured / estimate - 1 (NaN without an estimate)."""
+        if not (math.isfinite(self.estimate_s) and self.estimate_s > 0):
+            return math.nan
+        return self.measured_s / self.estimate_s - 1.0
+
+    @property
+    def gap_too_large(self) -> bool:
+        return abs(self.gap) > GAP_WARNING if math.isfinite(self.gap) else False
+
+    def line(self) -> str:
+        """One line for logs and the CLI."""
+        est = f"{self.estimate_s * 1e3:.3f} ms" if math.isfinite(self.estimate_s) else "n/a"
+        gap = f"{self.gap:+.0%}" if math.isfinite(self.gap) else "n/a"
+        return (f"{self.network} on {self.target} ({self.host}): estimated {est}, measured "
+                f"{self.measured_s * 1e3:.3f} ms (median of {self.runs} runs; gap {gap}); "
+                f"{self.tuned}/{len(self.tasks)} tasks from records; check: {self.check}")
+
+    def as_dict(self) -> dict:
+        return {"network": self.network, "target": self.target, "host": self.host,
+                "estimate_s": self.estimate_s, "measured_s": self.measured_s, "gap": self.gap,
+                "runs": self.runs, "check": self.check, "passed": self.passed, "tuned_tasks": self.tuned,
+                "tasks": [t.__dict__ for t in self.tasks]}
+
+
+def measure_tuned_network(net: NetworkTasks, records: RecordStore | None, target: str = "llvm",
+                          repeat: int = 20, check: bool = True) -> TunedNetworkTiming:
+    """Build every task from its best record on the tuned target (default schedule without one),
+    check the outputs against the graph's NumPy reference, and time `repeat` end-to-end runs."""
+    chosen = tuned_target(records, target, [t.workload_key for t in net.tasks])
+    steps, latency = best_records(records, chosen) if records is not None else ({}, {})
+    compiled = build_network(net, steps, str(chosen))
+    result = compiled.check() if check else None
+    per_task = compiled.profile(repeat=3)
+    runs = compiled.benchmark(repeat=repeat)
+    tasks = [TaskTiming(k.name, k.weight, k.source, latency.get(k.workload_key, math.nan), per_task[i])
+             for i, k in enumerate(compiled.kernels)]
+    estimate = math.fsum(t.weight * t.estimate_s for t in tasks)
+    return TunedNetworkTiming(net.source.name, str(chosen), socket.gethostname(), estimate,
+                              runs.median_ms / 1e3, repeat, str(result) if result is not None else "not run",
+                              result.passed if result is not None else True, tasks)
