@@ -1,4 +1,5 @@
-"""What a tuning run shows in the Prefect UI: a progress bar, the per-task table, the network estimate.
+"""What a tuning run shows in the Prefect UI: a progress bar, the per-task table, the network estimate,
+and the network built from the run's records with its measured latency beside the estimate.
 
 Artifact keys are stable per network and target (`tune-resnet-18-llvm-progress`, ...), so the Artifacts
 page keeps one series per network across nightly runs, each version linked to its flow run.
@@ -13,6 +14,8 @@ from uuid import UUID
 
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
+
+from flows.tuned_network import GAP_WARNING, TunedNetworkTiming
 
 
 def network_label(network: str) -> str:
@@ -97,3 +100,30 @@ def publish_estimate(network: str, target: str, rows: Sequence[TaskRow], before:
              f"Records: `{records_url}`; cost model: `{model_version or 'random (not trained yet)'}`."]
     return create_markdown_artifact("\n".join(lines), key=artifact_key(network, target, "estimate"),
                                     description=f"{name} on {target}: estimated latency before and after")
+
+
+def publish_network_timing(network: str, target: str, timing: TunedNetworkTiming) -> UUID:
+    """Markdown: the network built from the run's best records, estimated beside measured latency, the
+    check against the NumPy reference, and a warning when the two latencies are far apart."""
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.3f} ms" if math.isfinite(x) else "n/a"
+
+    name = network_label(network)
+    lines = [f"## {name} on `{timing.target}`: the tuned network, built and timed", "",
+             "| estimated (sum of task bests) | measured end to end | gap | tasks from records | check |",
+             "|---|---|---|---|---|",
+             f"| {ms(timing.estimate_s)} | **{ms(timing.measured_s)}** (median of {timing.runs}) | "
+             f"{timing.gap:+.0%} | {timing.tuned}/{len(timing.tasks)} | {timing.check} |".replace("+nan%", "n/a"),
+             "", f"Timed on `{timing.host}`."]
+    if timing.gap_too_large:
+        lines += ["", f"**Warning:** measured and estimated latency differ by {timing.gap:+.0%} (more than "
+                      f"{GAP_WARNING:.0%}): the kernels run differently inside the network than when tuned "
+                      "alone (cold weights, caches), or the network is not timed in the tuned configuration."]
+    if not timing.passed:
+        lines += ["", "**The network's outputs do not match the NumPy reference.**"]
+    lines += ["", "| task | weight | estimated ms (weight x best) | in the network ms | schedule |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {t.name} | {t.weight} | {ms(t.weight * t.estimate_s)} | {ms(t.measured_s)} | {t.source} |"
+              for t in timing.tasks]
+    return create_markdown_artifact("\n".join(lines), key=artifact_key(network, target, "network"),
+                                    description=f"{name} on {target}: estimated and measured latency")

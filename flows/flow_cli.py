@@ -17,7 +17,8 @@ from rich.table import Table
 
 from flows.cli import app
 from flows.network_cli import (BatchOption, ImageSizeOption, InputShapeOption, LayersOption, NetworkArg,
-                               SeqLenOption, TargetOption)
+                               SeqLenOption, TargetOption, ThreadsOption, with_threads)
+from flows.tuned_network import GAP_WARNING
 
 console = Console(width=max(120, Console().width))
 
@@ -40,7 +41,7 @@ def tune(network: NetworkArg,
          cluster: Annotated[Optional[str], typer.Option(
              "--cluster", envvar="TENSORTUNE_CLUSTER",
              help="Dask scheduler to join, e.g. tcp://host:8786 (default: a local cluster).")] = None,
-         target: TargetOption = "llvm", batch: BatchOption = None, image_size: ImageSizeOption = None,
+         target: TargetOption = "llvm", threads: ThreadsOption = None, batch: BatchOption = None, image_size: ImageSizeOption = None,
          seq_len: SeqLenOption = None, layers: LayersOption = None, input_shape: InputShapeOption = None,
          per_round: Annotated[int, typer.Option("--per-round", min=1, help="Measurements per round.")] = 64,
          retrain_every: Annotated[int, typer.Option("--retrain-every", min=1,
@@ -53,6 +54,9 @@ def tune(network: NetworkArg,
              "--early-stopping", min=1, help="Give a task no more trials after this many without improvement.")]
          = None,
          seed: int = 0,
+         time_network: Annotated[bool, typer.Option(
+             "--time-network/--no-time-network",
+             help="End by building the network from the best records, checking and timing it.")] = True,
          port: Annotated[int, typer.Option("--port", help="Port of the local Prefect server.")] = 4200,
          stop_server: Annotated[bool, typer.Option(
              "--stop-server/--keep-server",
@@ -64,7 +68,12 @@ def tune(network: NetworkArg,
     from flows.dask_cluster import ClusterError
     from flows.prefect_server import PrefectServerError, ensure_server
     from flows.tune_flow import tune_network_flow
+    from codegen.target import TargetError, parse_target
     url = _records_url(records)
+    try:
+        parse_target(with_threads(target, threads))           # a bad target fails before anything starts
+    except TargetError as err:
+        _fail(str(err))
     try:
         server = ensure_server(port)
     except PrefectServerError as err:
@@ -75,7 +84,8 @@ def tune(network: NetworkArg,
     state = None
     try:
         with temporary_settings({PREFECT_API_URL: server.api_url}):
-            state = tune_network_flow(network=network, trials=trials, target=target, records=url, cluster=cluster,
+            state = tune_network_flow(network=network, trials=trials, target=with_threads(target, threads),
+                                      records=url, cluster=cluster, time_network=time_network,
                                       batch=batch, image_size=image_size, seq_len=seq_len, layers=layers,
                                       input_shapes=input_shape, per_round=per_round, retrain_every=retrain_every,
                                       seed=seed, search=search, latency_target_ms=latency_target_ms,
@@ -125,3 +135,12 @@ def _print_summary(summary: dict) -> None:
     console.print(f"estimated latency: {ms(summary['estimate_after_s'])} (runtime default schedules "
                   f"{ms(summary['estimate_default_s'])}, start of this run {ms(summary['estimate_before_s'])}); "
                   f"cost model {summary['model_version'] or 'random'}")
+    timing = summary.get("network_timing")
+    if timing:
+        gap = timing["gap"]
+        console.print(f"measured latency:  {ms(timing['measured_s'])} end to end (median of {timing['runs']} runs on "
+                      f"{timing['host']}, {timing['target']}), estimated {ms(timing['estimate_s'])}: gap "
+                      + (f"{gap:+.0%}" if math.isfinite(gap) else "n/a")
+                      + f"; check against the NumPy reference: {timing['check']}", soft_wrap=True)
+        if math.isfinite(gap) and abs(gap) > GAP_WARNING:
+            console.print(f"[yellow]warning:[/yellow] measured and estimated latency differ by {gap:+.0%}")

@@ -23,15 +23,17 @@ from prefect.cache_policies import NONE
 
 from codegen.measure import MeasureResult, TimingConfig
 from flows import artifacts
-from flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, dask_client, local_resources
+from flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, CPU_RESOURCE, dask_client, local_resources
 from flows.dask_measure import DaskMeasurer
 from flows.retrain import NewestModel, Trainer, load_newest, retrain
+from flows.tuned_network import GAP_WARNING, TunedNetworkTiming, measure_tuned_network_job
 from flows.tuning import default_seeds, learn, propose, resume_policy
 from search.candidate import Candidate
 from search.sketch_policy import SearchParams, SketchPolicy
 from search.task_scheduler import INF_COST, TaskScheduler, latency_requirements
 from storage.models import ModelStore
 from storage.records import DEFAULT_ROOT, RecordStore
+from tasks.extract import NetworkTasks
 from tasks.search_task import SearchTask
 
 _STEP = dict(cache_policy=NONE, persist_result=False)    # task runs pass live objects: never hash or store them
@@ -80,7 +82,7 @@ class Session:
 # ------------------------------------------------------------------ flow steps (Prefect task runs)
 
 @task(name="extract-tasks", **_STEP)
-def extract_network_tasks(network: str, target: str, options: dict[str, Any]) -> list[SearchTask]:
+def extract_network_tasks(network: str, target: str, options: dict[str, Any]) -> tuple[NetworkTasks, list[SearchTask]]:
     """The network's tuning tasks (fused subgraphs, deduplicated, weighted) for the target."""
     from flows.network_cli import load_graph
     from flows.tuning import network_tasks
@@ -88,7 +90,26 @@ def extract_network_tasks(network: str, target: str, options: dict[str, Any]) ->
     net, tasks = network_tasks(graph, target)
     get_run_logger().info(f"{graph.name}: {len(tasks)} tasks, {net.total_flops / 1e9:.3f} GFLOP per run, "
                           f"target {tasks[0].target if tasks else target}")
-    return tasks
+    return net, tasks
+
+
+@task(name="build-and-time-network", **_STEP)
+def build_and_time_network(client, net: NetworkTasks, network: str, target: str, records: str,
+                           repeat: int = 20) -> TunedNetworkTiming:
+    """The network as it will be deployed: built from the store's best records on a measure worker (the
+    resource keeps timings one at a time), checked against the NumPy reference, timed end to end."""
+    log = get_run_logger()
+    future = client.submit(measure_tuned_network_job, net, records, target, repeat, pure=False,
+                           resources={CPU_RESOURCE: 1})
+    timing: TunedNetworkTiming = future.result()
+    artifacts.publish_network_timing(network, target, timing)
+    log.info(timing.line())
+    if timing.gap_too_large:
+        log.warning(f"measured and estimated latency differ by {timing.gap:+.0%} (over {GAP_WARNING:.0%}): "
+                    "see the network artifact for each task inside the network against its estimate")
+    if not timing.passed:
+        log.error(f"the network built from the records does not match the NumPy reference: {timing.check}")
+    return timing
 
 
 @task(name="load-history", **_STEP)
@@ -299,8 +320,9 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                       input_shapes: list[str] | None = None, per_round: int = 64, retrain_every: int = 2,
                       model_warmup: int = 100, strategy: str = "gradient", seed: int = 0, search: dict | None = None,
                       timing: dict | None = None, local_workers: int = 1, latency_target_ms: float | None = None,
-                      early_stopping_task: int | None = None) -> dict[str, Any]:
-    """Tune a network's tasks for `trials` measurements, resuming from the record store.
+                      early_stopping_task: int | None = None, time_network: bool = True) -> dict[str, Any]:
+    """Tune a network's tasks for `trials` measurements, resuming from the record store, then build the
+    network from the store's best records, check it and time it (time_network=False leaves that out).
 
     network: a built-in network name or an .onnx path (input_shapes: NAME=D0,D1,... for its symbolic
     dimensions); records: folder or URL of the record store; cluster: tcp://HOST:8786 of a Dask
@@ -311,17 +333,25 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
     """
     options = {k: v for k, v in (("batch", batch), ("image_size", image_size), ("seq_len", seq_len),
                                  ("layers", layers), ("input_shapes", input_shapes)) if v is not None}
-    tasks = extract_network_tasks(network, target, options)
+    net, tasks = extract_network_tasks(network, target, options)
     if not tasks:
         raise ValueError(f"{network} has no tuning tasks")
     with dask_client(_cluster_address(cluster), n_workers=local_workers,
                      resources=local_resources(tasks[0].target_kind)) as client:
         get_run_logger().info(f"Dask scheduler {client.scheduler.address}, "
                               f"{len(client.scheduler_info(n_workers=-1)['workers'])} workers")
-        return tune_tasks(tasks, network=network, trials=trials, records=records, measurer=_measurer(client, timing),
-                          per_round=per_round, retrain_every=retrain_every, model_warmup=model_warmup,
-                          strategy=strategy, seed=seed, search=search, flow_run_id=_flow_run_id(),
-                          latency_target_ms=latency_target_ms, early_stopping_task=early_stopping_task)
+        summary = tune_tasks(tasks, network=network, trials=trials, records=records,
+                             measurer=_measurer(client, timing), per_round=per_round, retrain_every=retrain_every,
+                             model_warmup=model_warmup, strategy=strategy, seed=seed, search=search,
+                             flow_run_id=_flow_run_id(), latency_target_ms=latency_target_ms,
+                             early_stopping_task=early_stopping_task)
+        if time_network and tasks[0].target_kind == "llvm":
+            measured = build_and_time_network(client, net, network, tasks[0].target, records)
+            summary["network_timing"] = measured.as_dict()
+            if not measured.passed:
+                raise RuntimeError(f"{network}: the network built from the records gives wrong outputs "
+                                   f"({measured.check}); the records are kept in {records}")
+        return summary
 
 
 @flow(name="tune-op", flow_run_name=_run_name, persist_result=False)

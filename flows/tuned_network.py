@@ -133,3 +133,9 @@ def measure_tuned_network(net: NetworkTasks, records: RecordStore | None, target
     return TunedNetworkTiming(net.source.name, str(chosen), socket.gethostname(), estimate,
                               runs.median_ms / 1e3, repeat, str(result) if result is not None else "not run",
                               result.passed if result is not None else True, tasks)
+
+
+def measure_tuned_network_job(net: NetworkTasks, records_url: str, target: str,
+                              repeat: int = 20) -> TunedNetworkTiming:
+    """Runs on a Dask measure worker (the flow's last step): the same, from the store at `records_url`."""
+    return measure_tuned_network(net, RecordStore(records_url, auto_compact=None), target, repeat=repeat)

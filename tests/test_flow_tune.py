@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from distributed import Client, LocalCluster
 
+from codegen.target import parse_target
 from flows.artifacts import artifact_key
 from flows.tune_flow import tune_network_flow
 from storage.models import ModelStore
@@ -99,6 +100,15 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     assert not frame["error_msg"].str.startswith("dask:").any()
     assert (frame["error_code"] == 0).sum() >= 30, frame[["error_code", "error_msg"]]
     assert first["trials"] == 32 and first["rounds"] == 4
+    # every record says the configuration it was timed in: the target's thread count, not the worker's
+    threads = parse_target("llvm").num_threads
+    assert (frame["num_threads"] == threads).all() and (frame["target"] == str(parse_target("llvm"))).all()
+    # the run ends with the network built from its best records, checked, timed beside the estimate
+    timing = first["network_timing"]
+    assert timing["passed"] and timing["tuned_tasks"] == 2 and timing["target"] == str(parse_target("llvm"))
+    assert timing["estimate_s"] == pytest.approx(first["estimate_after_s"], rel=1e-9)
+    assert timing["measured_s"] > 0 and timing["gap"] == pytest.approx(
+        timing["measured_s"] / timing["estimate_s"] - 1)
 
     # the flow run and its artifacts, read back through the Prefect API
     flow_run, found, task_runs = read_back(state.state_details.flow_run_id)
@@ -109,7 +119,11 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     assert any(n.startswith("extract-tasks") for n in names) and any(n.startswith("load-history") for n in names)
     assert {"retrain-start", "retrain-r2", "retrain-r4"} <= set(names), names
     assert sum(n.startswith("search-r") for n in names) == 4 and sum(n.startswith("measure-r") for n in names) == 4
-    by_type = {a.type: a for a in found}
+    assert any(n.startswith("build-and-time-network") for n in names)
+    by_key = {a.key: a for a in found}
+    network_md = by_key[artifact_key(network, "llvm", "network")].data
+    assert "measured end to end" in network_md and "2/2" in network_md and "OK" in network_md
+    by_type = {a.type: a for a in found if a.key != artifact_key(network, "llvm", "network")}
     assert set(by_type) >= {"progress", "table", "markdown"}
     assert float(by_type["progress"].data) == 100.0
     assert by_type["table"].key == artifact_key(network, "llvm", "tasks")
