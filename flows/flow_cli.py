@@ -53,6 +53,12 @@ def tune(network: NetworkArg,
          early_stopping: Annotated[Optional[int], typer.Option(
              "--early-stopping", min=1, help="Give a task no more trials after this many without improvement.")]
          = None,
+         objective: Annotated[Optional[str], typer.Option(
+             "--objective", help="What the task scheduler minimises: f1 (weighted latency sum), f2 (f1 down to "
+                                 "--latency-target-ms; the default when one is given), f3 (geometric-mean "
+                                 "speedup over --reference-ms).")] = None,
+         reference_ms: Annotated[Optional[float], typer.Option(
+             "--reference-ms", min=0.0, help="f3: the network latency to beat (e.g. ONNX Runtime's).")] = None,
          seed: int = 0,
          time_network: Annotated[bool, typer.Option(
              "--time-network/--no-time-network",
@@ -70,9 +76,14 @@ def tune(network: NetworkArg,
     from flows.tune_flow import tune_network_flow
     from codegen.target import TargetError, parse_target
     url = _records_url(records)
-    try:
-        parse_target(with_threads(target, threads))           # a bad target fails before anything starts
-    except TargetError as err:
+    from search.task_scheduler import network_objective
+    try:                                      # bad input fails before anything starts
+        parse_target(with_threads(target, threads))
+        if objective is not None or reference_ms is not None:
+            network_objective(objective or ("f2" if latency_target_ms is not None else "f1"), network, [1.0],
+                              latency_target_s=latency_target_ms / 1e3 if latency_target_ms else None,
+                              reference_s=reference_ms / 1e3 if reference_ms else None)
+    except (TargetError, ValueError) as err:
         _fail(str(err))
     try:
         server = ensure_server(port)
@@ -89,7 +100,8 @@ def tune(network: NetworkArg,
                                       batch=batch, image_size=image_size, seq_len=seq_len, layers=layers,
                                       input_shapes=input_shape, per_round=per_round, retrain_every=retrain_every,
                                       seed=seed, search=search, latency_target_ms=latency_target_ms,
-                                      early_stopping_task=early_stopping, return_state=True)
+                                      early_stopping_task=early_stopping, objective=objective,
+                                      reference_ms=reference_ms, return_state=True)
         if state.is_completed():
             _print_summary(state.result())
     finally:

@@ -30,7 +30,7 @@ from flows.tuned_network import GAP_WARNING, TunedNetworkTiming, measure_tuned_n
 from flows.tuning import default_seeds, learn, propose, resume_policy
 from search.candidate import Candidate
 from search.sketch_policy import SearchParams, SketchPolicy
-from search.task_scheduler import INF_COST, TaskScheduler, latency_requirements
+from search.task_scheduler import INF_COST, TaskScheduler, network_objective
 from storage.models import ModelStore
 from storage.records import DEFAULT_ROOT, RecordStore
 from tasks.extract import NetworkTasks
@@ -199,12 +199,14 @@ def measure_batch(s: Session, i: int, batch: list[Candidate], scores: list[float
 def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: str, measurer,
                per_round: int = 64, retrain_every: int = 2, model_warmup: int = 100, strategy: str = "gradient",
                seed: int = 0, search: dict | None = None, flow_run_id: str = "",
-               latency_target_ms: float | None = None, early_stopping_task: int | None = None) -> dict[str, Any]:
+               latency_target_ms: float | None = None, early_stopping_task: int | None = None,
+               objective: str | None = None, reference_ms: float | None = None) -> dict[str, Any]:
     """The rounds of one flow run (called inside a flow): returns the run's summary.
 
-    latency_target_ms: the network's latency requirement (Ansor's objective f2, max(latency, target)):
-    the run stops once the estimate meets it. early_stopping_task: a task that has not improved for
-    this many trials gets no more."""
+    objective: what the task scheduler minimises, Ansor's f1 (weighted latency sum; the default), f2
+    (max(latency, latency_target_ms): the default when a target is given) or f3 (geometric-mean speedup
+    over reference_ms). latency_target_ms: the run stops once the estimate meets it, whatever the
+    objective. early_stopping_task: a task that has not improved for this many trials gets no more."""
     log = get_run_logger()
     if trials < 1:
         raise ValueError(f"trials must be at least 1, got {trials}")
@@ -214,10 +216,12 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
         raise ValueError(f"latency_target_ms must be positive, got {latency_target_ms}")
     params = SearchParams(**{**(search or {}), "num_measures_per_round": per_round})
     store = RecordStore(records)
-    options: dict[str, Any] = {"early_stopping_task": early_stopping_task}
-    if latency_target_ms is not None:
-        options["objective"] = latency_requirements({network: {i: float(t.weight) for i, t in enumerate(tasks)}},
-                                                    {network: latency_target_ms / 1e3})
+    if objective is None:
+        objective = "f2" if latency_target_ms is not None else "f1"
+    options: dict[str, Any] = {"early_stopping_task": early_stopping_task, "objective": network_objective(
+        objective, network, [t.weight for t in tasks],
+        latency_target_s=latency_target_ms / 1e3 if latency_target_ms is not None else None,
+        reference_s=reference_ms / 1e3 if reference_ms is not None else None)}
     s = Session(tasks, network, store, measurer, params, strategy, seed, model_warmup, flow_run_id, options)
     load_history(s)
     retrain_cost_model(s, "start")
@@ -320,7 +324,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                       input_shapes: list[str] | None = None, per_round: int = 64, retrain_every: int = 2,
                       model_warmup: int = 100, strategy: str = "gradient", seed: int = 0, search: dict | None = None,
                       timing: dict | None = None, local_workers: int = 1, latency_target_ms: float | None = None,
-                      early_stopping_task: int | None = None, time_network: bool = True) -> dict[str, Any]:
+                      early_stopping_task: int | None = None, time_network: bool = True,
+                      objective: str | None = None, reference_ms: float | None = None) -> dict[str, Any]:
     """Tune a network's tasks for `trials` measurements, resuming from the record store, then build the
     network from the store's best records, check it and time it (time_network=False leaves that out).
 
@@ -329,7 +334,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
     scheduler (default: $TENSORTUNE_CLUSTER, the Prefect Variable tensortune_cluster, else a
     LocalCluster of `local_workers` workers); search: SearchParams fields; timing: TimingConfig fields
     plus build_timeout/run_timeout seconds; latency_target_ms: stop once the estimated latency meets it;
-    early_stopping_task: trials without improvement after which a task gets no more.
+    early_stopping_task: trials without improvement after which a task gets no more; objective: f1, f2
+    or f3 (see tune_tasks; f3 needs reference_ms, the latency to beat).
     """
     options = {k: v for k, v in (("batch", batch), ("image_size", image_size), ("seq_len", seq_len),
                                  ("layers", layers), ("input_shapes", input_shapes)) if v is not None}
@@ -344,7 +350,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                              measurer=_measurer(client, timing), per_round=per_round, retrain_every=retrain_every,
                              model_warmup=model_warmup, strategy=strategy, seed=seed, search=search,
                              flow_run_id=_flow_run_id(), latency_target_ms=latency_target_ms,
-                             early_stopping_task=early_stopping_task)
+                             early_stopping_task=early_stopping_task, objective=objective,
+                             reference_ms=reference_ms)
         if time_network and tasks[0].target_kind == "llvm":
             measured = build_and_time_network(client, net, network, tasks[0].target, records)
             summary["network_timing"] = measured.as_dict()

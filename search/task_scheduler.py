@@ -49,6 +49,28 @@ def geomean_speedup(networks: dict[str, dict[int, float]], references: dict[str,
     return f
 
 
+OBJECTIVES = ("f1", "f2", "f3")
+
+
+def network_objective(name: str, network: str, weights: Sequence[float], *, latency_target_s: float | None = None,
+                      reference_s: float | None = None) -> Callable[[Sequence[float]], float]:
+    """Ansor's objectives for one network's tasks, by name: f1 (weighted sum of latencies), f2 (f1 but
+    no gain below `latency_target_s`), f3 (geometric-mean speedup over `reference_s`, e.g. the latency
+    of the runtime the tuned network must beat)."""
+    tasks = {network: {i: float(w) for i, w in enumerate(weights)}}
+    if name == "f1":
+        return weighted_sum(weights)
+    if name == "f2":
+        if latency_target_s is None or latency_target_s <= 0:
+            raise ValueError("objective f2 needs a positive latency target (--latency-target-ms)")
+        return latency_requirements(tasks, {network: latency_target_s})
+    if name == "f3":
+        if reference_s is None or reference_s <= 0:
+            raise ValueError("objective f3 needs a positive reference latency (--reference-ms)")
+        return geomean_speedup(tasks, {network: reference_s})
+    raise ValueError(f"unknown objective {name!r}: use one of {', '.join(OBJECTIVES)}")
+
+
 @dataclass
 class TaskScheduler:
     tasks: list[SearchTask]

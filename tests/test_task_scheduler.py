@@ -154,3 +154,31 @@ def test_similar_tasks_without_flops_leave_out_the_throughput_bound():
     _feed(s, 1, [2e-6] * 4)
     assert s.gradient(0) == pytest.approx(moves[0].weight * 0.8 * (3 - 4) * 1e-6, rel=1e-3)   # g1 = 4 - 4/4
     assert s.next_task() == 0
+
+
+def test_objectives_by_name_for_the_flow_and_the_cli():
+    """f1, f2 and f3 are selectable by name (the flow's and the CLI's --objective); a missing parameter is
+    a clear error before anything runs."""
+    from search.task_scheduler import network_objective
+    weights, costs = [2.0, 1.0], [0.5, 1.0]                      # network latency 2.0
+    assert network_objective("f1", "n", weights)(costs) == 2.0
+    assert network_objective("f2", "n", weights, latency_target_s=3.0)(costs) == 3.0
+    assert network_objective("f2", "n", weights, latency_target_s=1.0)(costs) == 2.0
+    assert network_objective("f3", "n", weights, reference_s=4.0)(costs) == pytest.approx(-2.0)
+    with pytest.raises(ValueError, match="f2 needs a positive latency target"):
+        network_objective("f2", "n", weights)
+    with pytest.raises(ValueError, match="f3 needs a positive reference latency"):
+        network_objective("f3", "n", weights)
+    with pytest.raises(ValueError, match="unknown objective 'f4'"):
+        network_objective("f4", "n", weights)
+
+
+def test_tune_rejects_a_bad_objective_before_starting_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from flows import flow_cli
+    out = CliRunner().invoke(flow_cli.app, ["tune", "resnet-18", "--objective", "f3", "--records", str(tmp_path / "r")])
+    assert out.exit_code == 1 and "f3 needs a positive reference latency" in out.output
+    assert "Prefect API" not in out.output and not (tmp_path / "r").exists()
+    bad = CliRunner().invoke(flow_cli.app, ["tune", "resnet-18", "--target", "llvm -num-threads=0"])
+    assert bad.exit_code == 1 and "-num-threads must be a positive integer" in bad.output
