@@ -256,7 +256,8 @@ class LocalRunner:
 
     def __init__(self, timeout: float = 10.0, config: TimingConfig = TimingConfig(), n_parallel: int = 1,
                  env: dict | None = None):
-        """env: extra environment for the runner processes (e.g. OMP_NUM_THREADS to time on fewer cores)."""
+        """env: extra environment for the runner processes. A kernel's thread count is its target's,
+        compiled in: OMP_NUM_THREADS here cannot change it (name `-num-threads` in the target instead)."""
         self.config = config
         self.pool = WorkerPool("codegen.measure:run_job", n_parallel, timeout, env)
 
