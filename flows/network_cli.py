@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.cli import app
-from tasks.graph import Graph, GraphError
+from tasks.graph import Graph
+from tasks.graph_ops import GraphError
 from tasks.models import make_network, network_names
 from tasks.extract import ExtractError, NetworkTasks, extract_tasks
 

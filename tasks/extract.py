@@ -20,7 +20,8 @@ import numpy as np
 
 from tasks import network_ops, ops, te
 from tasks.compute_dag import ComputeDAG, DAGError
-from tasks.graph import OPS, Graph, Node, TensorInfo, contiguous, run_node
+from tasks.graph import Graph, contiguous
+from tasks.graph_ops import OPS, Node, TensorInfo, run_node
 from tasks.te import Tensor
 
 

@@ -14,7 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from tasks.graph import Graph, GraphBuilder, GraphError
+from tasks.graph import Graph, GraphBuilder
+from tasks.graph_ops import GraphError
 
 
 class _Weights:

@@ -14,7 +14,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tasks.graph import Graph, GraphBuilder, GraphError, Node, TensorInfo, contiguous, infer_node, run_node
+from tasks.graph import Graph, GraphBuilder, contiguous
+from tasks.graph_ops import GraphError, Node, TensorInfo, infer_node, run_node
 
 
 class OnnxImportError(ValueError):

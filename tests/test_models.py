@@ -8,7 +8,8 @@ import pytest
 
 from codegen.network_runtime import NETWORK_TOLERANCE, build_network
 from tasks.extract import extract_tasks
-from tasks.graph import GraphBuilder, GraphError
+from tasks.graph import GraphBuilder
+from tasks.graph_ops import GraphError
 from tasks.models import fold_batch_norm, make_network, network_names, network_options
 
 SMALL = {
