@@ -31,7 +31,7 @@ def matmul_schedule(dag, ib: int = 128, jb: int = 256, kb: int = 64, ri: int = 8
     the classic Haswell sgemm kernel) with packing won on a Zen 3 EPYC: 0.75-0.97x numpy where the
     unpacked 4 x 16 ran at 0.5x.
     """
-    from search.state import State
+    from schedule.state import State
     s = State(dag).cache_write("C", "local")
     if pack:
         s = s.cache_read("B", "local", ["C.local"])
@@ -45,7 +45,7 @@ def matmul_schedule(dag, ib: int = 128, jb: int = 256, kb: int = 64, ri: int = 8
 
 def conv_relu_schedule(dag, f1: int = 2, f2: int = 8, y1: int = 28, y2: int = 2, x2: int = 8, rc: int = 64):
     """The relu loop nest tiles (f, y, x) and computes the conv per tile: an f2 x y2 x x2 register tile."""
-    from search.state import State
+    from schedule.state import State
     r, c = "T_relu", "conv2d_nchw"
     s = State(dag)
     s = s.split(r, 1, [f1, f2]).split(r, 4, [y1, y2]).split(r, 7, [x2])
@@ -66,9 +66,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--skip-naive", action="store_true", help="skip the (slow) naive schedules")
     args = ap.parse_args(argv)
 
-    from codegen.measure import LocalBuilder, LocalRunner, TimingConfig
+    from codegen.measure import LocalBuilder, LocalRunner
+    from codegen.timing import TimingConfig
     from codegen.target import make_task
-    from search.state import State
+    from schedule.state import State
     from tasks.workload_registry import make_dag
 
     peak1, peak_all = measure_fma_peak(1), measure_fma_peak(args.threads)

@@ -71,7 +71,8 @@ def retime_against_library(key: str, task, fastest: list, threads: int,
     runner, and the fastest of those is then timed alternating with the library (bench.common.paired_ms).
     The runner is the only one alive: two processes' thread pools meeting on two cores can put a kernel
     into a slow mode that costs milliseconds per parallel region (README, "Tuning one operator")."""
-    from codegen.measure import LocalRunner, TimingConfig
+    from codegen.measure import LocalRunner
+    from codegen.timing import TimingConfig
     lib, fn = library_fn(key, task.dag, threads)
     candidates = [steps for _, steps in fastest[:top]]
     builds = retime_builds(task, candidates) if candidates else []

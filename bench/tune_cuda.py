@@ -177,7 +177,8 @@ def main(argv: list[str]) -> int:
         return 0
 
     from codegen.cuda_backend import device_target
-    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer, TimingConfig
+    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+    from codegen.timing import TimingConfig
     from codegen.target import make_task
     from codegen.worker_pool import WorkerPool
     from flows.tuning import tune_task

@@ -26,8 +26,10 @@ import numpy as np
 from codegen.artifact import Artifact
 from codegen.cuda_codegen import CudaCodegenError, CudaModule, generate_cuda
 from codegen.lower import LoweringError, lower
+from codegen.gpu_device import device_hardware_params
 from codegen.target import Target, parse_target
-from search.state import State
+from codegen.timing import ErrorCode, load_reference, reference_file
+from schedule.state import State
 from tasks.search_task import HardwareParams, SearchTask
 
 DEFAULT_TARGET = "cuda -arch=sm_90"
@@ -157,20 +159,6 @@ def gpu_available() -> bool:
         return False
 
 
-def device_hardware_params(device: int = 0) -> tuple[str, HardwareParams]:
-    """(arch, limits) of a present GPU, read from the driver."""
-    import pycuda.driver as cuda
-    cuda.init()
-    dev = cuda.Device(device)
-    a = dev.get_attributes()
-    A = cuda.device_attribute
-    major, minor = dev.compute_capability()
-    return f"sm_{major}{minor}", HardwareParams(
-        num_cores=a[A.MULTIPROCESSOR_COUNT], vector_unit_bytes=16, cache_line_bytes=128,
-        max_shared_memory_per_block=a[A.MAX_SHARED_MEMORY_PER_BLOCK], max_local_memory_per_block=2 ** 31 - 1,
-        max_threads_per_block=a[A.MAX_THREADS_PER_BLOCK], max_vthread_extent=8, warp_size=a[A.WARP_SIZE])
-
-
 def device_target(device: int = 0, default: str = DEFAULT_TARGET) -> str:
     """A target string carrying the GPU's own limits when one is present, else `default`."""
     try:
@@ -279,7 +267,6 @@ def run_artifact(task: SearchTask, artifact: Artifact, cfg) -> tuple[list[float]
     faults costs its own record: the context is rebuilt, or the runner process ends (exit code
     FAULT_EXIT_CODE) when the fault is sticky, so never call this where a fault must not end the
     process — CUDAKernel is the in-process way."""
-    from codegen.measure import ErrorCode, load_reference, reference_file
     from tasks.reference import mismatch
     try:
         kernel = CUDAKernel(artifact)

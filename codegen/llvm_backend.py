@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import threading
 from functools import lru_cache
 
@@ -18,7 +19,10 @@ from codegen.ir import LoweredFunc
 from codegen.llvm_codegen import generate_llvm_ir
 from codegen.lower import lower
 from codegen.target import Target, parse_target
-from search.state import State
+from codegen.timing import ErrorCode, TimingConfig, flush_cpu_cache, load_reference, time_runs
+from schedule.state import State
+from tasks.reference import mismatch
+from tasks.search_task import SearchTask
 
 _lock = threading.Lock()
 
@@ -129,3 +133,39 @@ class LLVMKernel:
 
     def run_packed(self, packed: ctypes.Array, n: int = 1) -> None:
         self._repeat(packed, n)
+
+
+# The fastest run this runner process has timed per task: a candidate far slower than what this node
+# already measured is timed once, not `repeat` times.
+_BEST_SEEN: dict[str, float] = {}
+
+
+def run_artifact(task: SearchTask, artifact: Artifact, cfg: TimingConfig) -> tuple[list[float], int, str]:
+    """Check the kernel against the task's reference outputs (poisoned with NaN first), then time it on
+    the target's threads (runs in a runner process: a crash here costs that process, not the caller)."""
+    threads = task.hardware.num_cores
+    set_default_threads(threads)
+    kernel = LLVMKernel(artifact)
+    if cfg.check_correctness and cfg.reference:
+        inputs, refs = load_reference(cfg.reference, len(task.dag.inputs))
+        outs = [np.full(t.shape, np.nan, dtype=t.dtype) if np.issubdtype(np.dtype(t.dtype), np.floating)
+                else np.zeros(t.shape, dtype=t.dtype) for t in task.dag.outputs]
+        kernel(*inputs, *outs)
+        for t, out, ref in zip(task.dag.outputs, outs, refs):
+            bad = mismatch(out, ref)
+            if bad is not None:
+                return [], int(ErrorCode.WRONG_ANSWER), f"{t.name}: {bad}"
+        args = list(inputs) + outs
+    else:
+        args = task.dag.random_inputs(seed=7) + task.dag.empty_outputs()
+    packed = kernel.pack(args)
+    warm = cfg.check_correctness and cfg.reference is not None        # the check already ran it
+    best = _BEST_SEEN.get(task.workload_key)
+    cutoff = best * cfg.slow_factor if best is not None and cfg.slow_factor > 0 else None
+    costs = time_runs(lambda n: kernel.run_packed(packed, n), cfg, flush_cpu_cache, warm=warm, cutoff_s=cutoff)
+    if kernel.threads_seen not in (0, threads):
+        return [], int(ErrorCode.RUNTIME_DEVICE), (
+            f"the kernel's parallel loops ran on {kernel.threads_seen} threads, its target asks for {threads} "
+            "(OMP_THREAD_LIMIT or another limit in the runner's environment?): not timed as if it were")
+    _BEST_SEEN[task.workload_key] = min(best if best is not None else math.inf, min(costs))
+    return costs, int(ErrorCode.NO_ERROR), ""

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 from codegen.ir import (Allocate, Barrier, Buffer, BufferLoad, For, IfThenElse, LoweredFunc, Seq, Stmt, Store,
                         dense_strides, seq, walk_stmts)
-from search.state import GPU_BINDINGS, Stage, State, loop_structure
+from schedule.loop_structure import loop_structure
+from schedule.stage import GPU_BINDINGS, Stage
+from schedule.state import State
 from tasks import te
 from tasks.arith import Affine, affine_max, affine_min, const_bounds, simplify, symbolic_bounds
 from tasks.te import Expr, Load, Var

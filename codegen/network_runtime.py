@@ -1,7 +1,7 @@
 """Whole-network build and run: one kernel per extracted task, buffers planned once, end to end.
 
-Each unique task is compiled from its best record's steps, or from `default_schedule` where it has
-none. At build time every value gets its storage: constants are used in place, reshapes are views,
+Each unique task is compiled from its best record's steps, or from `default_schedule`
+(schedule.default_schedule) where it has none. At build time every value gets its storage: constants are used in place, reshapes are views,
 and task outputs share a 64-byte aligned arena by liveness (a buffer is reused once its last reader
 has run; a kernel's output never shares memory with its own inputs). Every kernel call's argument
 pointers are packed once, so a network run is a loop of kernel calls with no allocation.
@@ -18,13 +18,12 @@ import numpy as np
 from codegen.llvm_backend import LLVMKernel, build
 from codegen.lower import LoweringError
 from codegen.target import parse_target
-from search.state import IllegalStep, State
-from tasks.compute_dag import ComputeDAG
+from schedule.default_schedule import default_schedule
+from schedule.stage import IllegalStep
+from schedule.state import State
 from tasks.extract import NetworkTasks
 from tasks.graph import contiguous
 
-VECTOR_LANES = 16
-TILE = (VECTOR_LANES, 4, 4)     # register tile of a data-reuse stage, innermost spatial axis first
 ALIGN = 64
 
 # A float32 network's outputs are compared with the float64 reference by max |out - ref| / max |ref|.
@@ -32,89 +31,6 @@ ALIGN = 64
 # products (K up to ~5000 here: ~4e-6), and ~50 layers at most compound that to ~2e-4; 1e-3 leaves a
 # margin of 5 while a wrong kernel (a bad index, a missed term) errs by O(1) of the output scale.
 NETWORK_TOLERANCE = 1e-3
-
-
-# ------------------------------------------------------------------------------------ default schedule
-
-def default_schedule(dag: ComputeDAG) -> State:
-    """A cheap schedule far better than the naive loop nest, for tasks that have no tuning record.
-
-    Inline strictly inlineable stages; give each data-reuse stage (conv, matmul) a register tile of
-    4 x 4 x 16 outputs over its three innermost spatial axes (NCHW conv: channels x rows x columns),
-    unrolled and vectorised, computed inside its consumer's (or cache-write stage's) parallel tile loop
-    with the reduction outside the tile; every other root stage runs its outer loops in parallel and
-    its innermost spatial loop vectorised. On ResNet-50's convolutions this runs 2-3x faster than a
-    4 x 16 tile with only the row loop unrolled.
-    """
-    s = State(dag)
-    an = dag.analysis
-    outputs = {t.name for t in dag.outputs}
-    for t in dag.tensors:
-        if not t.is_placeholder and t.name not in outputs and an.is_strictly_inlineable[t]:
-            s = s.compute_inline(t.name)
-    done: set[str] = set()
-    for t in reversed(dag.tensors):
-        if t.is_placeholder or not an.needs_multi_level_tiling[t]:
-            continue
-        consumers = s.consumers(s.stage_id(t.name))
-        if (t.name not in outputs and len(consumers) == 1 and consumers[0].name in outputs
-                and consumers[0].op.shape == t.shape and consumers[0].name not in done):
-            s = _tile(s, t.name, consumers[0].name)      # the fused epilogue holds the tile loops
-            done.add(consumers[0].name)
-        else:
-            s = s.cache_write(t.name, "local")
-            s = _tile(s, t.name + ".local", t.name)
-        done.add(t.name)
-    for t in reversed(dag.tensors):
-        if not t.is_placeholder and t.name not in done and s.stage_by_name(t.name).compute_at != "inline":
-            s = _loop(s, t.name)
-    return s
-
-
-def _tile(s: State, inner: str, outer: str) -> State:
-    """Tile `outer`'s spatial loops, compute `inner` (the reduction) per tile at its fused outer loop."""
-    n_sp = len(s.stage_by_name(outer).op.axes)
-    n_red = len(s.stage_by_name(inner).op.reduce_axes)
-    steps = []
-    for i in range(n_sp):
-        extent = s.stage_by_name(inner).iters[2 * i].extent
-        back = n_sp - 1 - i
-        want = TILE[back] if back < len(TILE) else 1
-        steps.append(len(s.steps))
-        s = s.split(inner, 2 * i, [max(1, min(extent, want))])
-    order = [2 * i for i in range(n_sp)] + list(range(2 * n_sp, 2 * n_sp + n_red)) + [2 * i + 1 for i in range(n_sp)]
-    s = s.reorder(inner, order)
-    last = len(order) - 1
-    if s.stage_by_name(inner).iters[last].extent > 1:
-        s = s.vectorize(inner, last)
-    for j in range(last - 1, last - n_sp, -1):       # the other tile loops: unrolled, so the tile is registers
-        if s.stage_by_name(inner).iters[j].extent > 1:
-            s = s.unroll(inner, j)
-    for i in range(n_sp):
-        s = s.follow_split(outer, 2 * i, steps[i], 1)
-    s = s.reorder(outer, [2 * i for i in range(n_sp)] + [2 * i + 1 for i in range(n_sp)])
-    if n_sp > 1:
-        s = s.fuse(outer, list(range(n_sp)))
-    s = s.parallel(outer, 0)
-    if s.stage_by_name(outer).iters[-1].extent > 1:
-        s = s.vectorize(outer, len(s.stage_by_name(outer).iters) - 1)
-    return s.compute_at(inner, outer, 0)
-
-
-def _loop(s: State, name: str) -> State:
-    """Parallel outer loops, the innermost spatial loop split by the vector width and vectorised
-    (moved inside the reduction loops when the stage reduces)."""
-    op = s.stage_by_name(name).op
-    n_sp, n_red = len(op.axes), len(op.reduce_axes)
-    lanes = min(op.shape[-1], VECTOR_LANES)
-    if lanes > 1:   # sp_0 .. last.outer, reductions..., last.inner
-        s = s.split(name, n_sp - 1, [lanes])
-        if n_red:
-            s = s.reorder(name, list(range(n_sp)) + list(range(n_sp + 1, n_sp + 1 + n_red)) + [n_sp])
-        s = s.vectorize(name, n_sp + n_red)
-    if n_sp > 1:
-        s = s.fuse(name, list(range(n_sp)))
-    return s.parallel(name, 0)
 
 
 # ------------------------------------------------------------------------------------ compiled network

@@ -107,7 +107,7 @@ def _local_gpu() -> Target | None:
     """The first GPU of this machine as a target (arch and limits read from the driver), if pycuda finds
     one; without one a bare "cuda" means sm_90 with the usual limits."""
     try:
-        from codegen.cuda_backend import device_hardware_params
+        from codegen.gpu_device import device_hardware_params
         arch, hw = device_hardware_params(0)
     except Exception:  # noqa: BLE001 - no pycuda, no driver or no GPU: the string's defaults stand
         return None

@@ -1,19 +1,13 @@
-"""The `tensortune` command line: one typer app, one sub-command per user job."""
+"""The `tensortune` command line: one typer app, one sub-command per user job.
+
+The command modules add their commands to `flows.cli_app.app` when imported; importing them here makes
+this file the single entry point (and `flows.cli.app` the app with every command on it).
+"""
 from __future__ import annotations
 
-import typer
-
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="tensortune: Ansor-style auto-scheduling of tensor programs.")
-
-
-def _register_commands() -> None:
-    # Each module adds its commands to `app`; importing them here keeps cli.py the single entry point.
-    from flows import history_cli, tune_cli  # noqa: F401
-    from flows import network_cli  # noqa: F401
-    from flows import flow_cli  # noqa: F401
+from flows import flow_cli, history_cli, network_cli, tune_cli  # noqa: F401 - each adds its commands
+from flows.cli_app import app
 
 
 def main() -> None:
-    _register_commands()
     app()

@@ -24,7 +24,8 @@ from typing import Sequence
 
 from distributed import Client, Future, wait
 
-from codegen.measure import BuildResult, ErrorCode, LocalBuilder, LocalRunner, MeasureResult, TimingConfig
+from codegen.measure import BuildResult, LocalBuilder, LocalRunner, MeasureResult
+from codegen.timing import ErrorCode, TimingConfig
 from flows.dask_cluster import build_resource, measure_resource, require_resource
 from tasks.search_task import SearchTask
 

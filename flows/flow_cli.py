@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flows.cli import app
+from flows.cli_app import app
 from flows.network_cli import (BatchOption, ImageSizeOption, InputShapeOption, LayersOption, NetworkArg,
                                SeqLenOption, TargetOption, ThreadsOption, with_threads)
 from flows.tuned_network import GAP_WARNING

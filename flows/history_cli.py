@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flows.cli import app
+from flows.cli_app import app
 from storage.integrity import BadFileError
 from storage.records import DEFAULT_ROOT, RecordStore
 

@@ -8,10 +8,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flows.cli import app
+from flows.cli_app import app
 from tasks.graph import Graph
 from tasks.graph_ops import GraphError
-from tasks.models import make_network, network_names
+from tasks.models import load_graph, network_names
 from tasks.extract import ExtractError, NetworkTasks, extract_tasks
 
 NetworkArg = Annotated[str, typer.Argument(
@@ -34,35 +34,6 @@ def with_threads(target: str, threads: int | None) -> str:
         return target
     kept = [p for p in target.split() if not p.startswith(("-num-threads=", "-num-cores="))]
     return " ".join(kept + [f"-num-threads={threads}"])
-
-
-def load_graph(network: str, batch: int | None = None, seq_len: int | None = None, layers: int | None = None,
-               image_size: int | None = None, input_shapes: list[str] | None = None) -> Graph:
-    """A registered network built with the given sizes, or an imported ONNX file."""
-    if network.endswith(".onnx") or os.path.sep in network:
-        from tasks.onnx_import import import_onnx
-        given = {k: v for k, v in (("--batch", batch), ("--seq-len", seq_len), ("--layers", layers),
-                                   ("--image-size", image_size)) if v is not None}
-        if given:
-            raise GraphError(f"{', '.join(given)} apply to built-in networks; for an ONNX model pass "
-                             f"--input-shape NAME=D0,D1,...")
-        return import_onnx(network, _parse_shapes(input_shapes or []))
-    options = {k: v for k, v in (("batch_size", batch), ("seq_len", seq_len), ("num_layers", layers),
-                                 ("image_size", image_size)) if v is not None}
-    return make_network(network, **options)
-
-
-def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
-    out = {}
-    for item in items:
-        name, sep, dims = item.partition("=")
-        try:
-            out[name] = tuple(int(d) for d in dims.replace("x", ",").split(","))
-        except ValueError:
-            sep = ""
-        if not sep or not name:
-            raise GraphError(f"--input-shape {item!r}: write NAME=D0,D1,... (e.g. input=1,3,224,224)")
-    return out
 
 
 def _load(network: str, **kw) -> Graph:

@@ -18,7 +18,8 @@ import numpy as np
 from search.candidate import Candidate
 from search.cost_model import CostModel, RandomModel, XGBModel
 from search.feature_pool import Featurizer
-from search.state import IllegalStep, State
+from schedule.stage import IllegalStep
+from schedule.state import State
 from storage.models import ModelStore
 from storage.records import RecordStore
 from tasks.search_task import SearchTask

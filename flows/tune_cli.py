@@ -7,7 +7,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from flows.cli import app
+from flows.cli_app import app
 
 console = Console()
 
@@ -67,7 +67,7 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
     """Tune one operator and print the best program's schedule and loop nest."""
     from flows.tuning import tune_task
     from search.sketch_policy import SearchParams
-    from search.state import State
+    from schedule.state import State
     from storage.records import RecordStore
     task = _task(op, args, target)
     store = RecordStore(records) if records else None
@@ -109,7 +109,8 @@ def show(op: str = typer.Argument(..., help="registered workload"),
          target: str = typer.Option("llvm")) -> None:
     """Print a schedule as TVM prints a State and as the lowered loop nest."""
     from flows.tuning import best_steps
-    from search.state import IllegalStep, State
+    from schedule.stage import IllegalStep
+    from schedule.state import State
     from storage.records import RecordStore
     task = _task(op, args, target)
     if not steps and records:

@@ -21,7 +21,8 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from codegen.measure import MeasureResult, TimingConfig
+from codegen.measure import MeasureResult
+from codegen.timing import TimingConfig
 from flows import artifacts
 from flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, CPU_RESOURCE, dask_client, local_resources
 from flows.dask_measure import DaskMeasurer
@@ -34,6 +35,7 @@ from search.task_scheduler import INF_COST, TaskScheduler, network_objective
 from storage.models import ModelStore
 from storage.records import DEFAULT_ROOT, RecordStore
 from tasks.extract import NetworkTasks
+from tasks.models import load_graph
 from tasks.search_task import SearchTask
 
 _STEP = dict(cache_policy=NONE, persist_result=False)    # task runs pass live objects: never hash or store them
@@ -84,7 +86,6 @@ class Session:
 @task(name="extract-tasks", **_STEP)
 def extract_network_tasks(network: str, target: str, options: dict[str, Any]) -> tuple[NetworkTasks, list[SearchTask]]:
     """The network's tuning tasks (fused subgraphs, deduplicated, weighted) for the target."""
-    from flows.network_cli import load_graph
     from flows.tuning import network_tasks
     graph = load_graph(network, **options)
     net, tasks = network_tasks(graph, target)

@@ -16,7 +16,8 @@ from codegen.target import make_task
 from search.candidate import Candidate
 from search.cost_model import CostModel, RandomModel, XGBModel
 from search.sketch_policy import SearchParams, SketchPolicy
-from search.state import IllegalStep, State
+from schedule.stage import IllegalStep
+from schedule.state import State
 from storage.records import MeasureRecord, RecordStore
 from tasks.extract import NetworkTasks, extract_tasks
 from tasks.graph import Graph
@@ -154,7 +155,7 @@ def default_seeds(task: SearchTask) -> list[State]:
     """The network runtime's default schedule, measured first so a tuned task is never worse."""
     if task.target_kind != "llvm":
         return []
-    from codegen.network_runtime import default_schedule
+    from schedule.default_schedule import default_schedule
     try:
         return [default_schedule(task.dag)]
     except (IllegalStep, ValueError):

@@ -11,7 +11,8 @@ from dataclasses import replace as dc_replace
 
 from search import utils
 from search.sketch_rules import Sketch
-from search.state import IllegalStep, State
+from schedule.stage import IllegalStep
+from schedule.state import State
 
 AUTO_UNROLL_CPU = (0, 16, 64, 512)
 AUTO_UNROLL_GPU = (0, 16, 64, 512, 1024)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 
-from search.state import State, Step
+from schedule.state import State
+from schedule.steps import Step
 from tasks.compute_dag import ComputeDAG
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from search.feature import N_FEATURES
 from search.feature_pool import Featurizer
-from search.state import State
+from schedule.state import State
 from tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")

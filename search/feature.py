@@ -21,8 +21,10 @@ from typing import Sequence
 
 import numpy as np
 
-from search.state import (FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, Split, SplitStep,
-                          State, loop_structure)
+from schedule.loop_structure import loop_structure
+from schedule.stage import Split
+from schedule.state import State
+from schedule.steps import FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, SplitStep
 from tasks import te
 from tasks.search_task import SearchTask
 from tasks.te import Expr, Var

@@ -27,7 +27,7 @@ import numpy as np
 
 from search.feature import FeatureExtractor
 from search.memory import paused_gc
-from search.state import State
+from schedule.state import State
 from tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")

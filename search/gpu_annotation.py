@@ -15,7 +15,8 @@ import random
 from search import utils
 from search.annotation import AUTO_UNROLL_GPU, InvalidSample, change_compute_location, fill_tile_sizes
 from search.sketch_rules import Sketch, has_cross_thread_reduction
-from search.state import Split, Stage, State
+from schedule.stage import Split, Stage
+from schedule.state import State
 from tasks import te
 from tasks.arith import const_bounds
 from tasks.search_task import HardwareParams, SearchTask

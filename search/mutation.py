@@ -12,8 +12,9 @@ from dataclasses import replace as dc_replace
 from search import utils
 from search.annotation import AUTO_UNROLL_CPU, AUTO_UNROLL_GPU
 from search.candidate import Candidate
-from search.state import (AnnotationStep, CacheReadStep, CacheWriteStep, ComputeAtStep, ComputeInlineStep,
-                          ComputeRootStep, FuseStep, IllegalStep, PragmaStep, RfactorStep, SplitStep, State)
+from schedule.stage import IllegalStep
+from schedule.state import State
+from schedule.steps import AnnotationStep, CacheReadStep, CacheWriteStep, ComputeAtStep, ComputeInlineStep, ComputeRootStep, FuseStep, PragmaStep, RfactorStep, SplitStep
 
 
 def mutate_tile_size(c: Candidate, rng: random.Random, max_innermost: int) -> Candidate | None:

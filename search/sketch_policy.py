@@ -22,7 +22,8 @@ from search.memory import paused_gc
 from search.mutation import (crossover, mutate_auto_unroll, mutate_compute_location, mutate_parallel,
                              mutate_tile_size)
 from search.sketch_rules import Sketch, SketchContext, SketchRule, generate_sketches
-from search.state import IllegalStep, State
+from schedule.stage import IllegalStep
+from schedule.state import State
 from tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")

@@ -12,7 +12,8 @@ from enum import Enum
 from typing import Callable
 
 from search import utils
-from search.state import RfactorStep, SplitStep, State
+from schedule.state import State
+from schedule.steps import RfactorStep, SplitStep
 from tasks.search_task import SearchTask
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from search.state import SplitStep, Stage, State
+from schedule.stage import Stage
+from schedule.state import State
+from schedule.steps import SplitStep
 from tasks.search_task import SearchTask
 
 

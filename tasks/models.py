@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from typing import Callable
 
 import numpy as np
 
 from tasks.graph import Graph, GraphBuilder
 from tasks.graph_ops import GraphError
+from tasks.onnx_import import import_onnx
 
 
 class _Weights:
@@ -294,3 +296,31 @@ def make_network(name: str, **options) -> Graph:
     if unknown:
         raise GraphError(f"network {name!r} does not take {', '.join(unknown)}; it takes {', '.join(params)}")
     return fn(**options)
+
+
+def load_graph(network: str, batch: int | None = None, seq_len: int | None = None, layers: int | None = None,
+               image_size: int | None = None, input_shapes: list[str] | None = None) -> Graph:
+    """A registered network built with the given sizes, or an imported ONNX file."""
+    if network.endswith(".onnx") or os.path.sep in network:
+        given = {k: v for k, v in (("--batch", batch), ("--seq-len", seq_len), ("--layers", layers),
+                                   ("--image-size", image_size)) if v is not None}
+        if given:
+            raise GraphError(f"{', '.join(given)} apply to built-in networks; for an ONNX model pass "
+                             f"--input-shape NAME=D0,D1,...")
+        return import_onnx(network, _parse_shapes(input_shapes or []))
+    options = {k: v for k, v in (("batch_size", batch), ("seq_len", seq_len), ("num_layers", layers),
+                                 ("image_size", image_size)) if v is not None}
+    return make_network(network, **options)
+
+
+def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for item in items:
+        name, sep, dims = item.partition("=")
+        try:
+            out[name] = tuple(int(d) for d in dims.replace("x", ",").split(","))
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise GraphError(f"--input-shape {item!r}: write NAME=D0,D1,... (e.g. input=1,3,224,224)")
+    return out

@@ -1,4 +1,5 @@
-"""Named workloads: `@workload("matmul")` registers a function returning [inputs..., outputs...]."""
+"""Named workloads: the operator library (tasks.workloads) and any function registered with
+`@workload("name")`, each returning [inputs..., outputs...], looked up and built by name."""
 from __future__ import annotations
 
 import inspect
@@ -6,8 +7,9 @@ from typing import Callable
 
 from tasks.compute_dag import ComputeDAG
 from tasks.te import Tensor
+from tasks.workloads import LIBRARY
 
-_REGISTRY: dict[str, Callable[..., list[Tensor]]] = {}
+_REGISTRY: dict[str, Callable[..., list[Tensor]]] = dict(LIBRARY)
 
 
 class UnknownWorkload(KeyError):
@@ -25,12 +27,10 @@ def workload(name: str) -> Callable:
 
 
 def workload_names() -> list[str]:
-    _load_library()
     return sorted(_REGISTRY)
 
 
 def workload_function(name: str) -> Callable[..., list[Tensor]]:
-    _load_library()
     if name not in _REGISTRY:
         raise UnknownWorkload(f"unknown workload {name!r}; known: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
@@ -50,7 +50,3 @@ def make_dag(name: str, *args, **kwargs) -> ComputeDAG:
     bound.apply_defaults()
     tensors = fn(*bound.args, **bound.kwargs)
     return ComputeDAG(tensors, name=name)
-
-
-def _load_library() -> None:
-    import tasks.workloads  # noqa: F401  (registers the operator library)

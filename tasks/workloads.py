@@ -5,8 +5,20 @@ each workload's defaults are the first of them.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from tasks import ops, te
-from tasks.workload_registry import workload
+
+# name -> function returning [inputs..., outputs...]; tasks.workload_registry serves these by name
+LIBRARY: dict[str, Callable[..., list[te.Tensor]]] = {}
+
+
+def workload(name: str) -> Callable:
+    """Add the function to the operator library under `name`."""
+    def add(fn: Callable[..., list[te.Tensor]]) -> Callable[..., list[te.Tensor]]:
+        LIBRARY[name] = fn
+        return fn
+    return add
 
 PAPER_SHAPES: dict[str, tuple[str, list[tuple]]] = {
     # code: (workload, [args...])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from codegen.llvm_backend import LLVMKernel, build
-from search.state import State
+from schedule.state import State
 from tasks.reference import evaluate, mismatch
 
 # Small shapes of every op in the library (odd sizes on purpose: they exercise imperfect tiling).

@@ -6,7 +6,7 @@ bound inference over overlapping windows) and rfactor.
 """
 from __future__ import annotations
 
-from search.state import State
+from schedule.state import State
 from tasks.compute_dag import ComputeDAG
 
 

@@ -18,7 +18,7 @@ import pytest
 from codegen.cuda_codegen import BLOCK_AXES, GRID_AXES, generate_cuda, inject_virtual_threads, split_kernels
 from codegen.ir import Allocate, Barrier, Buffer, BufferLoad, For, IfThenElse, Seq, Stmt, Store
 from codegen.lower import THREAD_ALLREDUCE, lower
-from search.state import State
+from schedule.state import State
 from tasks import te
 from tasks.reference import evaluate, mismatch
 from tests.conftest import SMALL_WORKLOADS

@@ -86,11 +86,11 @@ def _dask_args(command: str, scheduler: str, port: int) -> list[str]:
 def test_the_compose_cluster_specs_start_a_real_cluster_that_measures(tmp_path):
     from distributed import Client
 
-    from codegen.measure import TimingConfig
+    from codegen.timing import TimingConfig
     from codegen.target import make_task
     from flows.dask_cluster import workers_with
     from flows.dask_measure import DaskMeasurer
-    from search.state import State
+    from schedule.state import State
     from tasks.workload_registry import make_dag
     services = load("compose.yaml")["services"]
     port = _free_port()

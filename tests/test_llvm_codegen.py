@@ -10,7 +10,7 @@ from codegen.llvm_backend import LLVMKernel, assembly, build
 from codegen.llvm_codegen import generate_llvm_ir
 from codegen.lower import lower
 from codegen.target import parse_target
-from search.state import State
+from schedule.state import State
 from tasks.workload_registry import make_dag
 from tests.conftest import check_state
 

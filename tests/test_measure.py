@@ -5,10 +5,10 @@ import pytest
 
 from codegen.artifact import Artifact
 from codegen.llvm_backend import compile_ir
-from codegen.measure import (BuildResult, ErrorCode, LocalBuilder, LocalRunner, ProgramMeasurer, TimingConfig,
-                             time_runs)
+from codegen.measure import BuildResult, LocalBuilder, LocalRunner, ProgramMeasurer
+from codegen.timing import ErrorCode, TimingConfig, time_runs
 from codegen.target import make_task, parse_target
-from search.state import State
+from schedule.state import State
 from tasks.workload_registry import make_dag
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from codegen.network_runtime import build_network, default_schedule
+from codegen.network_runtime import build_network
+from schedule.default_schedule import default_schedule
 from codegen.target import parse_target
 from flows import network_cli
 from flows.cli import app

@@ -4,7 +4,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from search.state import IllegalStep, State
+from schedule.stage import IllegalStep
+from schedule.state import State
 from tasks.workload_registry import make_dag
 from tests.conftest import check_state
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from codegen.target import make_task
 from search.mutation import crossover, mutate_auto_unroll, mutate_compute_location, mutate_parallel, mutate_tile_size
 from search.sketch_policy import SearchParams, SketchPolicy
-from search.state import SplitStep
+from schedule.steps import SplitStep
 from tests.conftest import SMALL_WORKLOADS, check_state, small_dag
 
 _POLICIES: dict[str, SketchPolicy] = {}
@@ -81,7 +81,7 @@ def test_crossover_drops_a_child_that_computes_a_stage_inside_only_one_of_its_re
     from codegen.lower import lower
     from search import utils
     from search.candidate import Candidate
-    from search.state import State
+    from schedule.state import State
     dag = small_dag("softmax")
     a = State.from_json(dag, '[["CA",3,4,0],["CI",2],["CA",1,4,0],["AN",4,0,3],["PR",1,0,"auto_unroll_max_step$64"],'
                              '["PR",3,0,"auto_unroll_max_step$0"]]')
@@ -107,7 +107,8 @@ def test_sampling_mutation_and_features_leave_no_reference_cycles(key):
     import gc
 
     from search.feature_pool import Featurizer
-    from search.state import Iterator, Stage, State
+    from schedule.stage import Iterator, Stage
+    from schedule.state import State
     from tasks.te import Tensor
     pol = SketchPolicy(make_task(small_dag(key)), params=SearchParams(), seed=0)
     featurize = Featurizer(processes=0)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from codegen.target import make_task
 from search.sketch_rules import Condition, CustomRule, SketchContext, generate_sketches, register_sketch_rule
-from search.state import CacheWriteStep, ComputeAtStep, ComputeInlineStep, RfactorStep, SplitStep
+from schedule.steps import CacheWriteStep, ComputeAtStep, ComputeInlineStep, RfactorStep, SplitStep
 from tasks.workload_registry import make_dag
 
 

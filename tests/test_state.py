@@ -6,7 +6,9 @@ import json
 import pytest
 
 from codegen.lower import lower
-from search.state import IllegalStep, State, Step
+from schedule.stage import IllegalStep
+from schedule.state import State
+from schedule.steps import Step
 from tasks.workload_registry import make_dag
 from tests.conftest import check_state, small_dag
 from tests.schedules import tiled_schedule

@@ -9,13 +9,12 @@ import pytest
 from typer.testing import CliRunner
 
 from codegen.target import make_task
-from flows.cli import _register_commands, app
+from flows.cli import app
 from flows.tuning import apply_best
 from storage.records import RecordStore
 from tasks.reference import evaluate, mismatch
 from tasks.workload_registry import make_dag
 
-_register_commands()
 
 
 @pytest.fixture(scope="module")

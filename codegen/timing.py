@@ -1,0 +1,126 @@
+"""The measuring protocol every backend shares: error codes, the timing configuration, TVM's
+time_evaluator loop, the cache flush, and the task's reference inputs and outputs kept on disk.
+
+Both backends' runners (llvm_backend.run_artifact, cuda_backend.run_artifact) and the process pools in
+measure.py stand on this file; it imports neither, so the backends never import the measurer.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+from functools import lru_cache
+from typing import Callable
+
+import numpy as np
+
+from tasks.search_task import SearchTask
+
+
+class ErrorCode(IntEnum):
+    """TVM's MeasureErrorNo."""
+    NO_ERROR = 0
+    INSTANTIATION_ERROR = 1
+    COMPILE_HOST = 2
+    COMPILE_DEVICE = 3
+    RUNTIME_DEVICE = 4
+    WRONG_ANSWER = 5
+    BUILD_TIMEOUT = 6
+    RUN_TIMEOUT = 7
+    UNKNOWN_ERROR = 8
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    """number runs per repeat (raised until a repeat lasts min_repeat_ms), repeat repeats, optional flush."""
+    number: int = 3
+    repeat: int = 1
+    min_repeat_ms: float = 100.0
+    flush_cache: bool = False
+    check_correctness: bool = True
+    warmup: int = 1
+    reference: str | None = None      # the task's reference file (set by the runner; see reference_file)
+    slow_factor: float = 20.0         # one run this many times slower than the best seen: stop timing (0: off)
+
+
+def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[], None] | None = None,
+              warm: bool = False, cutoff_s: float | None = None) -> list[float]:
+    """TVM's time_evaluator: warm up, pick `number` so one repeat lasts >= min_repeat_ms, time `repeat`
+    repeats. A kernel whose single run already lasts min_repeat_ms runs once per repeat (the run that
+    found it so counts as the first), and one slower than `cutoff_s` is not timed further (slow
+    candidates should not cost the tuner seconds each).
+
+    With `flush_cache`, the cache is flushed before every timed run and a repeat is the mean of `number`
+    cold runs (min_repeat_ms does not apply). TVM flushes once per repeat, so only the first of its
+    `number` runs is cold unless number=1, which its docs recommend; here every run is cold."""
+    if not warm:
+        for _ in range(cfg.warmup):
+            run_n(1)
+    if cfg.flush_cache and flush is not None:
+        number = max(1, cfg.number)
+        costs = []
+        for _ in range(max(cfg.repeat, 1) * number):
+            flush()
+            t0 = time.perf_counter()
+            run_n(1)
+            costs.append(time.perf_counter() - t0)
+        return [float(np.mean(costs[i:i + number])) for i in range(0, len(costs), number)]
+    t0 = time.perf_counter()
+    run_n(1)
+    once = max(time.perf_counter() - t0, 1e-9)
+    if cutoff_s is not None and once > cutoff_s:
+        return [once]
+    costs = []
+    if once * 1e3 >= cfg.min_repeat_ms:
+        number = 1
+        costs.append(once)          # a warm run that already fills a repeat: it is the first repeat
+    else:
+        number = int(min(max(cfg.number, math.ceil(cfg.min_repeat_ms / 1e3 / once)), 1_000_000))
+    for _ in range(max(cfg.repeat, 1) - len(costs)):
+        t0 = time.perf_counter()
+        run_n(number)
+        costs.append((time.perf_counter() - t0) / number)
+    return costs
+
+
+_FLUSH_BYTES = 64 << 20
+
+
+@lru_cache(maxsize=1)
+def _flush_buffer() -> np.ndarray:
+    return np.zeros(_FLUSH_BYTES // 8)
+
+
+def flush_cpu_cache() -> None:
+    buf = _flush_buffer()
+    buf += 1.0
+
+
+REFERENCE_SEED = 1234
+
+
+def reference_file(task: SearchTask, cache_dir: str | None = None) -> str:
+    """Inputs and reference outputs of a task, computed once (outside any kernel's timeout) and kept
+    on disk so every runner process loads them instead of recomputing."""
+    import tempfile
+    from tasks.reference import evaluate
+    folder = cache_dir or os.path.join(tempfile.gettempdir(), "tensortune-reference")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{task.workload_key}-{REFERENCE_SEED}.npz")
+    if not os.path.exists(path):
+        inputs = task.dag.random_inputs(seed=REFERENCE_SEED)
+        refs = evaluate(task.dag, inputs)
+        tmp = f"{path}.{os.getpid()}.tmp.npz"
+        np.savez(tmp, *inputs, *refs)
+        os.replace(tmp, path)
+    return path
+
+
+@lru_cache(maxsize=8)
+def load_reference(path: str, n_inputs: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(inputs, reference outputs) saved by reference_file."""
+    with np.load(path) as data:
+        arrays = [data[f"arr_{i}"] for i in range(len(data.files))]
+    return arrays[:n_inputs], arrays[n_inputs:]

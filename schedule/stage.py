@@ -1,0 +1,115 @@
+"""A stage of a schedule: one op's loop nest as iterators, how its leaf loops derive from its root axes
+(`relations`: splits and fuses), where it is computed (`attach`) and its annotations.
+
+Stage ids and iterator ids follow TVM: placeholders are stages; cache_read/cache_write/rfactor insert
+stages and shift later ids.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from tasks import te
+from tasks.compute_dag import ComputeDAG
+from tasks.te import IterVar, Tensor, Var
+
+ANNOTATIONS = ("none", "unroll", "vectorize", "parallel", "vthread", "blockIdx.x", "blockIdx.y", "blockIdx.z",
+               "threadIdx.x", "threadIdx.y", "threadIdx.z", "tensorize")
+GPU_BINDINGS = ANNOTATIONS[4:11]
+PRAGMAS = ("auto_unroll_max_step", "unroll_explicit", "debug_skip_region")
+
+
+class IllegalStep(ValueError):
+    """A transform that cannot apply to this state; the message says which stage/iterator and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Iterator:
+    name: str
+    extent: int | None
+    kind: str                    # "spatial" | "reduce"
+    annotation: str = "none"
+    var: Var = field(default=None, compare=False, repr=False)
+    pragmas: tuple = ()          # (("auto_unroll_max_step", 64),)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Split:
+    parent: Var
+    parent_extent: int | None
+    children: tuple[Var, ...]
+    extents: tuple[int | None, ...]   # as seen by the State (before region tightening)
+    inner_to_outer: bool = True
+    step: int = -1                    # index of the step that made it (feature templates map lengths)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Fuse:
+    parents: tuple[Var, ...]
+    extents: tuple[int | None, ...]
+    fused: Var
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    op: Tensor
+    iters: tuple[Iterator, ...]
+    relations: tuple = ()
+    compute_at: str = "root"               # "root" | "inline" | "iter"
+    attach: tuple[str, Var] | None = None  # (target op name, target iterator var)
+    scope: str = "global"
+    storage_align: tuple = ()              # ((axis, factor, offset),)
+    origin: str = ""                       # "cache_write" | "cache_read" | "rfactor" | "" (from the DAG)
+
+    @property
+    def name(self) -> str:
+        return self.op.name
+
+    @property
+    def is_placeholder(self) -> bool:
+        return self.op.is_placeholder
+
+    def replace(self, **kw) -> "Stage":
+        get = kw.get
+        return Stage(get("op", self.op), get("iters", self.iters), get("relations", self.relations),
+                     get("compute_at", self.compute_at), get("attach", self.attach), get("scope", self.scope),
+                     get("storage_align", self.storage_align), get("origin", self.origin))
+
+    def iter_index(self, var: Var) -> int:
+        for i, it in enumerate(self.iters):
+            if it.var is var:
+                return i
+        raise KeyError(var)
+
+
+def initial_stage(op: Tensor, scope: str = "global", origin: str = "") -> Stage:
+    axes = op.axes + op.reduce_axes
+    iters = tuple(Iterator(a.name, a.extent, a.kind, var=a) for a in axes)
+    return Stage(op, iters, scope=scope, origin=origin)
+
+
+_INITIAL_STAGES: "weakref.WeakKeyDictionary[ComputeDAG, tuple[Stage, ...]]" = weakref.WeakKeyDictionary()
+
+
+def initial_stages(dag: ComputeDAG) -> tuple[Stage, ...]:
+    """The naive state's stages, made once per DAG (they are immutable; every replay starts here)."""
+    stages = _INITIAL_STAGES.get(dag)
+    if stages is None:
+        stages = _INITIAL_STAGES[dag] = tuple(initial_stage(t) for t in dag.tensors)
+    return stages
+
+
+def fresh_copy(op: Tensor, name: str, body_map=None) -> Tensor:
+    """The same compute with new axis variables (two stages must never share loop variables)."""
+    axes = tuple(IterVar(a.name, a.extent, a.kind) for a in op.axes)
+    red = tuple(IterVar(a.name, a.extent, a.kind) for a in op.reduce_axes)
+    mapping = dict(zip(op.axes + op.reduce_axes, axes + red))
+    body = op.body
+    if isinstance(body, te.Reduce):
+        body = te.Reduce(body.combiner, te.substitute(body.source, mapping), red)
+    else:
+        body = te.substitute(body, mapping)
+    if body_map is not None:
+        body = body_map(body)
+    return Tensor(name, op.shape, op.dtype, axes, body, op.attrs)
+
