@@ -2,18 +2,22 @@
 
 Times float32 matmul 1024^3 and the ResNet-18 conv2d+relu layer three ways — the naive schedule, a
 hand-written schedule (a step list: packing, multi-level tiling, vectorize, unroll, parallel) and the
-library (NumPy/OpenBLAS, PyTorch CPU) — through the same isolated runner the tuner uses, and reports each
-as GFLOP/s, a ratio against the library (the median of five alternating library/program timings) and
-a fraction of the measured FMA peak. Also reports the median build time of tiled matmul candidates (it
-bounds trials per minute).
+library (NumPy/OpenBLAS, PyTorch CPU). Our programs are timed by the tuner's isolated runner
+(`RUNNER_TIMING`: median of 3 repeats of >= 200 ms, the protocol of bench.common.measure, which times
+the library in this process); the two are timed in alternating pairs (bench.common.compare) and each row
+reports GFLOP/s, the ratio of the medians and the median of the per-pair ratios, and a fraction of the
+measured FMA peak. The runner checks every output against the NumPy reference: a wrong program fails its
+pairs and has no ratio. `--threads N`: the kernels are compiled for `llvm -num-threads=N`, NumPy's BLAS and
+PyTorch are limited to N. Also reports the median build time of tiled matmul candidates (it bounds trials
+per minute).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 
-from bench.common import (blas_info, ensure_clean_blas_env, measure_fma_peak, paired_ms, print_table,
-                          torch_threads, write_json)
+from bench.common import (BATCHES, MIN_BATCH_MS, PAIRS, compare, ensure_clean_blas_env, environment, in_process,
+                          limit_threads, llvm_target, print_table, threads_used, write_json)
 
 
 # (ib, jb, kb, ri, rj) of the hand-written matmul per float32 lanes of a hardware vector
@@ -60,62 +64,80 @@ def conv_relu_schedule(dag, f1: int = 2, f2: int = 8, y1: int = 28, y2: int = 2,
 def main(argv: list[str]) -> int:
     ensure_clean_blas_env()
     ap = argparse.ArgumentParser(prog="python -m bench codegen")
-    ap.add_argument("--json", help="write one JSON object per row to this file")
+    ap.add_argument("--json", help="write the environment and the rows to this JSON file")
     ap.add_argument("--size", type=int, default=1024, help="matmul N=M=K")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="threads of every side (ours, NumPy's BLAS, PyTorch)")
+    ap.add_argument("--pairs", type=int, default=PAIRS, help="timing pairs (alternating order)")
     ap.add_argument("--skip-naive", action="store_true", help="skip the (slow) naive schedules")
     args = ap.parse_args(argv)
+    with limit_threads(args.threads) as torch:
+        return run_all(args, torch)
 
+
+def run_all(args, torch) -> int:
     from codegen.measure import LocalBuilder, LocalRunner
     from codegen.timing import TimingConfig
     from codegen.target import make_task
     from schedule.state import State
     from tasks.workload_registry import make_dag
 
-    peak1, peak_all = measure_fma_peak(1), measure_fma_peak(args.threads)
-    print(f"BLAS: {blas_info()}; fp32 FMA peak {peak1:.0f} GFLOP/s (1 thread), {peak_all:.0f} ({args.threads})")
-    builder, runner = LocalBuilder(), LocalRunner(timeout=120, config=TimingConfig(repeat=3, min_repeat_ms=200))
+    env = environment(args.threads)
+    peak_all = env["fma_peak_gflops"].get(str(args.threads), env["fma_peak_gflops"]["1"])
+    print(f"BLAS: {env['blas']}; fp32 FMA peak {env['fma_peak_gflops']} GFLOP/s (by threads)")
+    target = llvm_target(args.threads)
+    runner_timing = TimingConfig(repeat=BATCHES, min_repeat_ms=MIN_BATCH_MS)     # bench.common's protocol
+    builder, runner = LocalBuilder(), LocalRunner(timeout=120, config=runner_timing)
     rows = []
 
-    def library_row(task, name: str, lib: str, lib_ms: float) -> None:
-        rows.append({"name": name, "ms": lib_ms, "gflops": task.flops / lib_ms / 1e6, f"{lib}_ms": lib_ms,
-                     f"ratio_vs_{lib}": 1.0, "peak_frac": task.flops / lib_ms / 1e6 / peak_all})
+    def per_s(task, ms: float | None) -> float | None:
+        return task.flops / ms / 1e6 if ms else None
 
-    def run(task, name: str, state, library, lib: str, pairs: int = 5) -> float:
-        """Time the program against the library in alternating pairs; returns the library's median ms."""
+    def run(task, name: str, state, library, lib: str, pairs: int) -> dict:
+        """Time the program against the library in alternating pairs; returns the comparison's fields."""
         (b,) = builder.build(task, [state.steps_json()])
 
         def ours() -> float:
+            if b.artifact is None:
+                raise RuntimeError(f"build failed: {b.error_msg[:300]}")
             (r,) = runner.run(task, [b])
             if r.error_code:
-                raise RuntimeError(f"{name}: error {r.error_code}: {r.error_msg[:300]}")
+                raise RuntimeError(f"error {r.error_code}: {r.error_msg[:300]}")
             return statistics.median(r.costs) * 1e3
-        lib_ms, ms, ratio = paired_ms(library, ours, pairs) if library else (float("nan"), ours(), float("nan"))
-        rows.append({"name": name, "ms": ms, "gflops": task.flops / ms / 1e6, f"{lib}_ms": lib_ms,
-                     f"ratio_vs_{lib}": ratio, "peak_frac": task.flops / ms / 1e6 / peak_all,
-                     "build_s": b.seconds, "steps": state.steps_json()})
-        return lib_ms
+        sides = {"ours": ours, **({lib: in_process(library)} if library else {})}
+        got = compare(sides, pairs).fields("ours", [lib] if library else [])
+        ms = got["ours_ms"]
+        rows.append({"name": name, "ms": ms, "gflops": per_s(task, ms), f"{lib}_ms": got.get(f"{lib}_ms"),
+                     f"ratio_vs_{lib}": got.get(f"ours_vs_{lib}"),
+                     f"ratio_vs_{lib}_pairwise": got.get(f"ours_vs_{lib}_pairwise"),
+                     "peak_frac": per_s(task, ms) / peak_all if ms else None,
+                     "pairs_ok": f"{got['pairs'] - got['failed_pairs']}/{got['pairs']}",
+                     "build_s": b.seconds, "steps": state.steps_json(), "target": target, **got})
+        return got
+
+    def library_row(task, name: str, lib: str, got: dict) -> None:
+        ms = got[f"{lib}_ms"]
+        rows.append({"name": name, "ms": ms, "gflops": per_s(task, ms), f"{lib}_ms": ms,
+                     "peak_frac": per_s(task, ms) / peak_all if ms else None})
 
     n = args.size
-    mm = make_task(make_dag("matmul", n, n, n))
+    mm = make_task(make_dag("matmul", n, n, n), target)
     a, b = mm.dag.random_inputs()
     tile = TILES_BY_LANES.get(mm.hardware.vector_unit_bytes // 4, TILES_BY_LANES[16])
-    np_ms = run(mm, f"hand-written matmul {n}^3", matmul_schedule(mm.dag, *tile), lambda: a @ b, "numpy")
-    library_row(mm, f"numpy matmul {n}^3", "numpy", np_ms)
+    got = run(mm, f"hand-written matmul {n}^3", matmul_schedule(mm.dag, *tile), lambda: a @ b, "numpy", args.pairs)
+    library_row(mm, f"numpy matmul {n}^3", "numpy", got)
     if not args.skip_naive:
         run(mm, f"naive matmul {n}^3", State(mm.dag), lambda: a @ b, "numpy", pairs=1)
 
-    conv = make_task(make_dag("conv2d_relu", 1, 56, 56, 64, 64, 3, 3, 1, 1))
-    torch = torch_threads(args.threads)
+    conv = make_task(make_dag("conv2d_relu", 1, 56, 56, 64, 64, 3, 3, 1, 1), target)
     conv_fn = None
     if torch is not None:
         x, w = (torch.from_numpy(v) for v in conv.dag.random_inputs())
         conv_fn = lambda: torch.relu(torch.nn.functional.conv2d(x, w, padding=1))   # noqa: E731
     else:
         print("PyTorch is not installed (pip install torch==2.13.0): conv rows have no torch ratio")
-    t_ms = run(conv, "hand-written conv2d+relu", conv_relu_schedule(conv.dag), conv_fn, "torch")
+    got = run(conv, "hand-written conv2d+relu", conv_relu_schedule(conv.dag), conv_fn, "torch", args.pairs)
     if conv_fn is not None:
-        library_row(conv, "torch conv2d+relu (ResNet-18 layer)", "torch", t_ms)
+        library_row(conv, "torch conv2d+relu (ResNet-18 layer)", "torch", got)
     if not args.skip_naive:
         run(conv, "naive conv2d+relu", State(conv.dag), conv_fn, "torch", pairs=1)
 
@@ -131,7 +153,11 @@ def main(argv: list[str]) -> int:
     rows.append({"name": "median build, tiled matmul candidate", "build_s": med})
     builder.close()
     runner.close()
-    print_table(rows, ["name", "ms", "gflops", "numpy_ms", "ratio_vs_numpy", "torch_ms", "ratio_vs_torch",
-                       "peak_frac", "build_s"])
-    write_json(args.json, [{**r, "peak_gflops": peak_all, "peak_gflops_1t": peak1} for r in rows])
+    env["threads_used"] = threads_used(target)
+    print(f"threads used: {env['threads_used']}")
+    print_table(rows, ["name", "ms", "gflops", "numpy_ms", "ratio_vs_numpy", "ratio_vs_numpy_pairwise", "torch_ms",
+                       "ratio_vs_torch", "ratio_vs_torch_pairwise", "pairs_ok", "peak_frac", "build_s"])
+    print("ratio_vs_<lib> = median library ms / median ms over the pairs (recomputable from the ms columns); "
+          "_pairwise = the median of the per-pair ratios")
+    write_json(args.json, rows, env, benchmark="codegen")
     return 0

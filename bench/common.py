@@ -1,19 +1,49 @@
-"""What every benchmark needs: a clean BLAS environment, the machine's peak, reference timings, tables.
+"""What every benchmark needs: one timing protocol, paired comparisons, matched threads, the machine's
+peak, a record of where and how it ran, tables.
 
-Speed is reported as ratios against NumPy/OpenBLAS, PyTorch CPU and the measured FMA peak, all taken
-in the same run. OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE (which slow OpenBLAS here) are removed by
-re-executing the benchmark before numpy is loaded.
+The timing protocol (`measure`): a warm-up call, then the number of calls per batch is raised until a
+batch lasts at least `min_batch_ms`; `batches` batches of that many calls are timed and the result is
+the median of the batches' per-call means. Every side timed in this process — our kernels or network as
+a callable, NumPy, PyTorch, ONNX Runtime — goes through it. The only other timings are our kernels in
+the tuner's isolated runner (`codegen.measure.LocalRunner` with `RUNNER_TIMING`: the same protocol, run
+in the runner process: number raised until a repeat lasts `min_repeat_ms`, median of `repeat` repeats)
+and, for the GPU, CUDA events in `cuda_clock` / the CUDA runner (same protocol, a GPU clock).
+
+Sides are compared in pairs (`compare`): each pair times every side once, even pairs in one order and
+odd pairs in the reverse order, so each side goes first equally often (this VM's speed drifts by tens
+of percent within minutes; sides timed in turn share its weather). A row reports each side's median
+over the pairs, the ratio of those medians (recomputable from the printed milliseconds) and the median
+of the per-pair ratios. A pair in which a side fails (raises, returns NaN or a non-positive time) is
+counted and reported, and left out of every median.
+
+Threads (`limit_threads`): `--threads N` is the thread count of every side: our kernels are compiled for
+`llvm -num-threads=N`, PyTorch gets torch.set_num_threads(N), ONNX Runtime intra_op_num_threads=N,
+OpenBLAS (numpy) threadpoolctl's limit N; `threads_used` records what each actually reports.
+
+OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE (which slow OpenBLAS here) are removed by re-executing the
+benchmark before numpy is loaded.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
+import math
 import os
+import shlex
 import statistics
+import subprocess
 import sys
 import time
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
 
 BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MIN_BATCH_MS = 200.0     # a batch lasts at least this long
+BATCHES = 3              # batches per timing; the timing is their median
+PAIRS = 6                # pairs per comparison (even: each side goes first in half of them)
 
 
 def ensure_clean_blas_env() -> None:
@@ -23,6 +53,214 @@ def ensure_clean_blas_env() -> None:
         os.execve(sys.executable, [sys.executable, "-m", "bench"] + sys.argv[1:], env)
 
 
+# ---------------------------------------------------------------------------------- the timing protocol
+
+Clock = Callable[[Callable[[], object], int], float]     # (fn, number) -> seconds for `number` calls
+
+
+def _perf_clock(fn: Callable[[], object], number: int) -> float:
+    """Host wall time of `number` calls of fn."""
+    t0 = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return time.perf_counter() - t0
+
+
+def cuda_clock(torch) -> Clock:
+    """A clock of CUDA events on the current stream: GPU time of `number` calls of fn."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def clock(fn: Callable[[], object], number: int) -> float:
+        start.record()
+        for _ in range(number):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    return clock
+
+
+@dataclass
+class Timing:
+    ms: float                     # median over the batches of the mean milliseconds per call
+    batch_ms: list[float]         # each batch's mean milliseconds per call
+    number: int                   # calls per batch
+
+
+def measure(fn: Callable[[], object], *, min_batch_ms: float = MIN_BATCH_MS, batches: int = BATCHES,
+            clock: Clock | None = None) -> Timing:
+    """THE timing protocol (module docstring): median of `batches` batches of >= `min_batch_ms` each."""
+    clock = clock or _perf_clock
+    clock(fn, 1)                                   # warm-up: first-call costs are not timed
+    number = 1
+    while True:                                    # raise `number` until a batch lasts min_batch_ms
+        secs = clock(fn, number)
+        if secs * 1e3 >= min_batch_ms:
+            break
+        number = max(number + 1, math.ceil(number * 1.1 * min_batch_ms / max(secs * 1e3, 1e-6)))
+    samples = [clock(fn, number) * 1e3 / number for _ in range(batches)]
+    return Timing(statistics.median(samples), samples, number)
+
+
+def in_process(fn: Callable[[], object], **protocol) -> Callable[[], float]:
+    """A side for `compare`: fn timed in this process by `measure`, in milliseconds per call."""
+    return lambda: measure(fn, **protocol).ms
+
+
+# ---------------------------------------------------------------------------------- paired comparison
+
+@dataclass
+class Pair:
+    order: tuple[str, ...]                          # the order the sides were timed in
+    ms: dict[str, float]                            # what each side timed (up to a failure)
+    error: str | None = None                        # the failure that leaves this pair out
+
+
+@dataclass
+class Ratio:
+    median_of_ratios: float      # median over the pairs of num_ms / den_ms
+    ratio_of_medians: float      # median(num_ms) / median(den_ms): recomputable from the printed ms
+
+
+@dataclass
+class Comparison:
+    sides: tuple[str, ...]
+    pairs: list[Pair] = field(default_factory=list)
+
+    @property
+    def ok(self) -> list[Pair]:
+        return [p for p in self.pairs if p.error is None]
+
+    @property
+    def failed(self) -> int:
+        return len(self.pairs) - len(self.ok)
+
+    @property
+    def errors(self) -> list[str]:
+        return [p.error for p in self.pairs if p.error is not None]
+
+    def median_ms(self, side: str) -> float | None:
+        """The side's median over the pairs that did not fail (None when all failed)."""
+        ok = self.ok
+        return statistics.median(p.ms[side] for p in ok) if ok else None
+
+    def ratio(self, num: str, den: str) -> Ratio | None:
+        """num's time over den's (e.g. ratio("torch", "tuned"): how many times faster tuned is)."""
+        ok = self.ok
+        if not ok:
+            return None
+        return Ratio(statistics.median(p.ms[num] / p.ms[den] for p in ok),
+                     self.median_ms(num) / self.median_ms(den))
+
+    def fields(self, ours: str | Sequence[str] = (), refs: Sequence[str] = ()) -> dict:
+        """Row fields: `<side>_ms` for every side; for each of ours against each ref `<ours>_vs_<ref>`
+        (ratio of medians, ref_ms / ours_ms) and `<ours>_vs_<ref>_pairwise` (median of the per-pair
+        ratios); pairs, failed pairs and their errors, and every pair's timings in order."""
+        ours = [ours] if isinstance(ours, str) else list(ours)
+        out: dict = {f"{s}_ms": self.median_ms(s) for s in self.sides}
+        for o in ours:
+            for r in refs:
+                ratio = self.ratio(r, o)
+                out[f"{o}_vs_{r}"] = ratio.ratio_of_medians if ratio else None
+                out[f"{o}_vs_{r}_pairwise"] = ratio.median_of_ratios if ratio else None
+        out.update({"pairs": len(self.pairs), "failed_pairs": self.failed, "pair_errors": self.errors,
+                    "pair_timings": [{"order": list(p.order), "ms": p.ms, "error": p.error} for p in self.pairs]})
+        return out
+
+
+def compare(sides: Mapping[str, Callable[[], float]], pairs: int = PAIRS) -> Comparison:
+    """Time every side once per pair, in the given order in even pairs and reversed in odd ones. Each
+    side is a callable returning milliseconds per call under the protocol (`in_process(fn)`, or a runner
+    that times the same way). A side that raises or returns NaN / a non-positive time fails its pair:
+    the pair's remaining sides are not timed and the pair is left out of every median."""
+    names = tuple(sides)
+    result = Comparison(names)
+    for k in range(pairs):
+        order = names if k % 2 == 0 else names[::-1]
+        pair = Pair(order, {})
+        for name in order:
+            try:
+                ms = float(sides[name]())
+            except Exception as err:  # noqa: BLE001 - a failed side is reported, not fatal
+                pair.error = f"{name}: {type(err).__name__}: {str(err)[:300]}"
+                break
+            if not (math.isfinite(ms) and ms > 0):
+                pair.error = f"{name}: timed {ms!r} ms"
+                break
+            pair.ms[name] = ms
+        result.pairs.append(pair)
+    return result
+
+
+# ---------------------------------------------------------------------------------- wall clock
+
+class Stopwatch:
+    """Wall seconds of one event (a tuning run, a flow run, a store query, a build): a duration reported
+    as such, never a speed compared between sides (that is `compare`'s)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since start (while running)."""
+        return time.perf_counter() - self.start
+
+
+# ---------------------------------------------------------------------------------- threads
+
+def llvm_target(threads: int) -> str:
+    """Our kernels' target for `threads` threads (compiled into every parallel loop)."""
+    return f"llvm -num-threads={threads}"
+
+
+@contextlib.contextmanager
+def limit_threads(threads: int):
+    """OpenBLAS (and any other BLAS numpy or torch loaded) limited to `threads` threads; PyTorch's
+    intra-op threads set to `threads` when torch is installed. ONNX Runtime and our kernels take
+    theirs from their session options and target (`ort_session`, `llvm_target`)."""
+    from threadpoolctl import threadpool_limits
+    torch = torch_threads(threads)
+    with threadpool_limits(limits=threads, user_api="blas"):
+        yield torch
+
+
+def torch_threads(n: int):
+    """PyTorch with n intra-op threads, or None when torch is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(n)
+    return torch
+
+
+def threads_used(ours_target: str | None = None, ort_session=None) -> dict:
+    """What each side reports it runs on, read back (not what was asked for)."""
+    from threadpoolctl import threadpool_info
+    out: dict = {"blas": [f"{i['internal_api']} {i.get('version', '')} x{i['num_threads']}"
+                          for i in threadpool_info() if i["user_api"] == "blas"]}
+    if ours_target is not None:
+        from codegen.target import parse_target
+        out["tensortune"] = parse_target(ours_target).num_threads
+    if "torch" in sys.modules:
+        out["torch"] = sys.modules["torch"].get_num_threads()
+    if ort_session is not None:
+        opts = ort_session.get_session_options()
+        out["onnxruntime"] = {"intra_op": opts.intra_op_num_threads, "inter_op": opts.inter_op_num_threads,
+                              "execution_mode": str(opts.execution_mode),
+                              "graph_optimization_level": str(opts.graph_optimization_level)}
+    return out
+
+
 def blas_info() -> str:
     from threadpoolctl import threadpool_info
     libs = [f"{i['internal_api']} {i.get('version', '')} {i.get('architecture', '')} x{i['num_threads']}"
@@ -30,37 +268,99 @@ def blas_info() -> str:
     return "; ".join(libs) or "no BLAS found"
 
 
-def median_time(fn: Callable[[], object], min_seconds: float = 0.3, repeat: int = 5) -> float:
-    """Median seconds per call over `repeat` batches, each batch lasting at least `min_seconds`."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    one = max(time.perf_counter() - t0, 1e-7)
-    number = max(1, int(min_seconds / one))
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        samples.append((time.perf_counter() - t0) / number)
-    return statistics.median(samples)
+# ---------------------------------------------------------------------------------- where and how it ran
+
+def _lscpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
-def paired_ms(library: Callable[[], object], ours: Callable[[], float], pairs: int = 5) -> tuple[float, float, float]:
-    """(library ms, our ms, ratio library/ours), each the median over `pairs` alternating timings.
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except ImportError:
+        return None
+    return getattr(mod, "__version__", "unknown")
 
-    This machine's speed drifts by tens of percent within minutes (other tenants), so a library timed
-    once beside a kernel timed once can make a ratio of anything; timing them in turn and taking the
-    median of the per-pair ratios keeps both in the same weather. `ours` returns milliseconds."""
-    libs, mine, ratios = [], [], []
-    for _ in range(pairs):
-        lib = median_time(library, min_seconds=0.2, repeat=3) * 1e3
-        me = ours()
-        libs.append(lib)
-        mine.append(me)
-        ratios.append(lib / me if me == me and me > 0 else float("nan"))
-    return statistics.median(libs), statistics.median(mine), statistics.median(ratios)
 
+def _git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("-dirty" if dirty else "")
+
+
+def environment(threads: int | None = None, peak: bool = True) -> dict:
+    """Machine (lscpu model name, LLVM's host CPU, cores), versions, the FMA peak on 1 and `threads`
+    threads, the command line and the date: what a reader needs to check a result."""
+    import llvmlite.binding as llvm
+    llvm.initialize_native_target()
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m bench " + shlex.join(sys.argv[1:]),
+        "machine": {"cpu_model": _lscpu_model(), "llvm_host_cpu": llvm.get_host_cpu_name(),
+                    "cores": os.cpu_count(), "cores_available": affinity},
+        "versions": {"python": sys.version.split()[0],
+                     **{m: _version(m) for m in ("numpy", "torch", "onnxruntime", "onnx", "llvmlite")},
+                     "tensortune_commit": _git_commit()},
+        "threads": threads,
+        "blas": blas_info(),
+    }
+    if peak:
+        env["fma_peak_gflops"] = {"1": measure_fma_peak(1)}
+        if threads and threads != 1:
+            env["fma_peak_gflops"][str(threads)] = measure_fma_peak(threads)
+    return env
+
+
+def write_json(path: str | None, rows: Sequence[dict], env: dict, **extra) -> None:
+    """One JSON document: {"environment": ..., **extra, "rows": [...]}."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"environment": env, **extra, "rows": list(rows)}, f, indent=1, default=_jsonable)
+        print(f"wrote {len(rows)} rows to {path}")
+
+
+def read_json_rows(path: str) -> list[dict]:
+    """The rows of a benchmark's JSON (this format, or the older one JSON object per line)."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return doc["rows"] if isinstance(doc, dict) and "rows" in doc else [doc]
+
+
+def _jsonable(v):
+    if hasattr(v, "item"):
+        return v.item()
+    return str(v)
+
+
+# ---------------------------------------------------------------------------------- the FMA peak
 
 _PEAK_IR = """
 declare void @GOMP_parallel(ptr, ptr, i32, i32)
@@ -99,7 +399,8 @@ attributes #0 = { nounwind "target-cpu"="CPU" "target-features"="FEATURES" "pref
 def measure_fma_peak(threads: int) -> float:
     """GFLOP/s of independent chains of native-width FMAs on `threads` threads (the machine's fp32 peak):
     16 chains of 16 floats with AVX-512 (32 registers), 12 of 8 with AVX2 (16 registers), enough to
-    cover two FMA pipes' latency without spilling."""
+    cover two FMA pipes' latency without spilling. The best of 20 short runs: the peak is what the
+    machine can do, and other tenants only slow it (a bound, not a speed compared with anything)."""
     import ctypes
 
     import llvmlite.binding as llvm
@@ -128,44 +429,30 @@ def measure_fma_peak(threads: int) -> float:
     fn = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int32)(engine.get_function_address("peak_threads"))
     iters = 2_000_000
     fn(iters, threads)
-    # the best of many short runs: the peak is what the machine can do, and other tenants only slow it
-    secs = min(_seconds(lambda: fn(iters, threads)) for _ in range(20))
+    secs = min(_perf_clock(lambda: fn(iters, threads), 1) for _ in range(20))
     return iters * n_acc * lanes * 2 * threads / secs / 1e9
 
 
-def _seconds(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+# ---------------------------------------------------------------------------------- tables
 
-
-def torch_threads(n: int):
-    """PyTorch with n intra-op threads, or None when torch is not installed."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(n)
-    return torch
+def fmt_ratio(value: float | None, failed: bool = False) -> str:
+    """A speedup as printed: 'failed' for a wrong answer, '-' when there is none."""
+    if failed:
+        return "failed"
+    return "-" if value is None else f"{value:.3g}x"
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     def fmt(v) -> str:
         if isinstance(v, float):
+            if v != v:
+                return "nan"
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
         return "" if v is None else str(v)
-    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
+    widths = [max([len(c)] + [len(fmt(r.get(c))) for r in rows]) for c in columns]
     lines = [" | ".join(c.ljust(w) for c, w in zip(columns, widths)),
              "-|-".join("-" * w for w in widths)]
     lines += [" | ".join(fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)) for r in rows]
     text = "\n".join(lines)
     print(text)
     return text
-
-
-def write_json(path: str | None, rows: Sequence[dict]) -> None:
-    if path:
-        with open(path, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        print(f"wrote {len(rows)} rows to {path}")

@@ -1,25 +1,33 @@
-"""`python -m bench network NETWORK`: whole networks, default schedules vs tuned vs PyTorch CPU eager.
+"""`python -m bench network NETWORK`: whole networks, tuned against PyTorch CPU eager and ONNX Runtime.
 
-Extracts the network's tasks, tunes them with the gradient task scheduler (and, at the same number of
-trials, from the same warm-up and taking turns with it round by round, with round-robin), builds the
-network from the best records, checks it against the graph's NumPy reference and times it end to end.
-PyTorch runs the same architecture written by hand with torch.nn (torchvision does not import beside
-the CPU torch wheel), eager, with the same thread count.
+The network is the PyTorch model (the architecture written with torch.nn: torchvision does not import
+beside the CPU torch wheel), exported with torch.onnx.export (torch's default exporter) to one ONNX
+file. ONNX Runtime runs that file (CPU provider, all graph optimizations, sequential execution); we
+import the same file with tasks/onnx_import.py, the path a user takes, extract its tasks and tune them
+with the gradient task scheduler (and, at the same number of trials, from the same warm-up and taking
+turns with it round by round, with round-robin). The network built from the best records is checked
+against the imported graph's NumPy reference and against ONNX Runtime's outputs; then default
+schedules, tuned, PyTorch and ONNX Runtime are timed in alternating pairs (bench.common.compare: one
+protocol for all four, in this process, on the same inputs). A network whose outputs fail a check
+gets no speedup. `--threads N` is every side's thread count (bench.common, "Threads").
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import tempfile
-import time
 
-from bench.common import ensure_clean_blas_env, paired_ms, print_table, torch_threads, write_json
+import numpy as np
+
+from bench.common import (PAIRS, Stopwatch, compare, ensure_clean_blas_env, environment, fmt_ratio, in_process,
+                          limit_threads, llvm_target, print_table, threads_used, write_json)
 
 NETWORK_OPTIONS = {
-    "resnet-18": {},
-    "mobilenet-v2": {},
+    "resnet-18": {"image_size": 224},
+    "mobilenet-v2": {"image_size": 224},
     "bert-base": {"num_layers": 1, "seq_len": 128},
 }
 
@@ -124,39 +132,66 @@ def torch_model(name: str, torch, options: dict):
             x = self.layers(x)
             return x, torch.tanh(self.pool(x[:, 0]))
 
+    size = options.get("image_size", 224)
     if name == "resnet-18":
-        return ResNet18().eval(), torch.randn(1, 3, 224, 224)
+        return ResNet18().eval(), torch.randn(1, 3, size, size)
     if name == "mobilenet-v2":
-        return MobileNetV2().eval(), torch.randn(1, 3, 224, 224)
+        return MobileNetV2().eval(), torch.randn(1, 3, size, size)
     if name == "bert-base":
         return Bert(options.get("num_layers", 1)).eval(), torch.randint(0, 30522, (1, options.get("seq_len", 128)))
-    raise ValueError(f"no PyTorch model for {name}")
+    raise ValueError(f"no PyTorch model for {name}; known: {', '.join(NETWORK_OPTIONS)}")
 
 
-def torch_fn(name: str, threads: int, options: dict):
-    """The PyTorch model's forward pass on a random input (None when torch is not installed)."""
-    torch = torch_threads(threads)
-    if torch is None:
-        return None
-    model, x = torch_model(name, torch, options)
+# ---------------------------------------------------------------------------------- ONNX: export, ORT, import
 
-    def forward():
-        with torch.no_grad():
-            return model(x)
-    return forward
+def export_onnx(model, example, path: str, torch) -> str:
+    """The model as an ONNX file, by torch.onnx.export with its defaults (what a user runs); its one
+    input is named "input"."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (example,), path, input_names=["input"], verbose=False)
+    return path
+
+
+def ort_session(path: str, threads: int):
+    """ONNX Runtime on the CPU: all graph optimizations, `threads` intra-op threads, sequential."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """max |out - ref| / max |ref| (inf for a shape mismatch or a non-finite value), as
+    CompiledNetwork.check measures against the NumPy reference."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if out.shape != ref.shape:
+        return math.inf
+    diff = np.abs(out - ref)
+    if not np.all(np.isfinite(diff)):
+        return math.inf
+    return float(np.max(diff)) / max(float(np.max(np.abs(ref))), 1e-30) if ref.size else 0.0
+
+
+def output_errors(outs: dict, refs: list) -> dict[str, float]:
+    """Per output (in the graph's output order, which is the ONNX file's): error against refs."""
+    return {k: relative_error(v, r) for (k, v), r in zip(outs.items(), refs)}
 
 
 # ---------------------------------------------------------------------------------- tensortune
 
-def tune(name: str, trials: int, strategies: list[str], seed: int, options: dict, measurer,
-         records: str | None = None) -> tuple:
-    """(network, tasks, {strategy: (result, seconds)}). The warm-up (a round per task) runs once; each
-    strategy resumes from a copy of its records, so all start from the same programs, cost model and
-    bests, and they take turns, one round each, on one measurer, so that this VM's drift (which moved
-    a task's timings by 30% within minutes) hits them alike. Curves and times include the warm-up."""
-    from flows.tuning import NetworkTuner, network_tasks
+def tune(name: str, tasks: list, trials: int, strategies: list[str], seed: int, measurer,
+         records: str | None = None) -> dict:
+    """{strategy: (result, seconds)}. The warm-up (a round per task) runs once; each strategy resumes
+    from a copy of its records, so all start from the same programs, cost model and bests, and they take
+    turns, one round each, on one measurer, so that this VM's drift (which moved a task's timings by 30%
+    within minutes) hits them alike. Curves and times include the warm-up."""
+    from flows.tuning import NetworkTuner
     from storage.records import RecordStore
-    net, tasks = network_tasks(name, "llvm", **options)
     home = records or tempfile.mkdtemp(prefix="tensortune-bench-network-")
 
     def tuner(label: str, budget: int, strategy: str = "round-robin") -> NetworkTuner:
@@ -165,24 +200,24 @@ def tune(name: str, trials: int, strategies: list[str], seed: int, options: dict
                             progress=lambda i, log, r: print(
                                 f"  {name} [{label}] {r.trials}/{budget} trials, task {i} best "
                                 f"{log.best_gflops:.1f} GFLOP/s, est. {r.estimated_latency * 1e3:.2f} ms", flush=True))
-    t0 = time.perf_counter()
-    warm = tuner("warm-up", trials)
-    for _ in tasks:
-        warm.step()
-    warm_s, warm_trials = time.perf_counter() - t0, warm.result.trials
+    with Stopwatch() as warm_watch:
+        warm = tuner("warm-up", trials)
+        for _ in tasks:
+            warm.step()
+    warm_trials = warm.result.trials
     tuners = {}
     for s in strategies:
         shutil.copytree(os.path.join(home, "warm-up"), os.path.join(home, s))
         tuners[s] = tuner(s, trials - warm_trials, s)
         tuners[s].per_round = warm.per_round       # the round size of the whole budget, as in one run
-    seconds = dict.fromkeys(strategies, warm_s)
+    seconds = dict.fromkeys(strategies, warm_watch.seconds)
     busy = True
     while busy:
         busy = False
         for s, t in tuners.items():
-            t0 = time.perf_counter()
-            busy |= t.step()
-            seconds[s] += time.perf_counter() - t0
+            with Stopwatch() as watch:
+                busy |= t.step()
+            seconds[s] += watch.seconds
     out = {}
     for s, t in tuners.items():
         res = t.result
@@ -191,14 +226,7 @@ def tune(name: str, trials: int, strategies: list[str], seed: int, options: dict
         out[s] = (res, seconds[s])
     if records is None:
         shutil.rmtree(home, ignore_errors=True)
-    return net, tasks, out
-
-
-def compiled_network(net, records: dict | None):
-    """(the network built from these records, whether it matches the graph's NumPy reference)."""
-    from codegen.network_runtime import build_network
-    compiled = build_network(net, records)
-    return compiled, compiled.check().passed
+    return out
 
 
 def trials_to_reach(curve, target: float) -> int | None:
@@ -208,62 +236,150 @@ def trials_to_reach(curve, target: float) -> int | None:
     return None
 
 
+def network_options(name: str, args) -> dict:
+    options = dict(NETWORK_OPTIONS.get(name, {}))
+    if args.image_size and "image_size" in options:
+        options["image_size"] = args.image_size
+    if args.seq_len and "seq_len" in options:
+        options["seq_len"] = args.seq_len
+    return options
+
+
+def bench_network(name: str, args, torch, folder: str) -> dict:
+    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+    from codegen.network_runtime import NETWORK_TOLERANCE, build_network
+    from flows.tuning import network_tasks
+    from tasks.onnx_import import import_onnx
+    options = network_options(name, args)
+    target = llvm_target(args.threads)
+    torch.manual_seed(args.seed)
+    model, example = torch_model(name, torch, options)
+    path = export_onnx(model, example, os.path.join(folder, f"{name}.onnx"), torch)
+    graph = import_onnx(path, name=name)
+    net, tasks = network_tasks(graph, target)
+    feed = graph.random_inputs(args.seed)         # the same inputs for every side
+    (input_name,) = feed
+
+    measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
+    strategies = ["gradient"] + ([] if args.no_round_robin else ["round-robin"])
+    try:
+        runs = tune(name, tasks, args.trials, strategies, args.seed, measurer,
+                    os.path.join(args.records, name) if args.records else None)
+    finally:
+        measurer.close()          # its runner's thread pool must not meet the timings below
+    grad, wall = runs["gradient"]
+    best = {t.workload_key: s for t, s in zip(tasks, grad.best_steps) if s}
+    built = {"default": build_network(net, None, target), "tuned": build_network(net, best, target)}
+
+    # checks: ours against the NumPy reference and ONNX Runtime, ORT against PyTorch
+    sess = ort_session(path, args.threads)
+    ort_outs = sess.run(None, feed)
+    with torch.no_grad():
+        torch_outs = model(torch.from_numpy(feed[input_name]))
+    torch_outs = [t.numpy() for t in (torch_outs if isinstance(torch_outs, (tuple, list)) else (torch_outs,))]
+    checks = {}
+    for label, compiled in built.items():
+        ref = compiled.check(feed)
+        vs_ort = output_errors(compiled.run(feed), ort_outs)
+        checks[label] = {"numpy_error": ref.errors, "ort_error": vs_ort,
+                         "passed": ref.passed and all(e <= NETWORK_TOLERANCE for e in vs_ort.values())}
+    ort_vs_torch = {f"output{i}": relative_error(o, t) for i, (o, t) in enumerate(zip(ort_outs, torch_outs))}
+
+    # timing: four sides in alternating pairs, one protocol, the same inputs
+    for compiled in built.values():
+        compiled.set_inputs(feed)
+    x = torch.from_numpy(feed[input_name])
+
+    def forward():
+        with torch.no_grad():
+            return model(x)
+    sides = {"tuned": in_process(built["tuned"].run_planned), "default": in_process(built["default"].run_planned),
+             "torch": in_process(forward), "ort": in_process(lambda: sess.run(None, feed))}
+    cmp = compare(sides, args.pairs)
+
+    row = {"network": name, "options": options, "onnx_inputs": {input_name: list(feed[input_name].shape)},
+           "tasks": len(tasks), "trials": grad.trials, "target": target,
+           "threads_used": threads_used(target, sess), **cmp.fields(["tuned", "default"], ["torch", "ort"]),
+           "checked": {k: v["passed"] for k, v in checks.items()}, "checks": checks,
+           "check_tolerance": NETWORK_TOLERANCE, "ort_vs_torch_error": ort_vs_torch,
+           "tune_wall_s": wall, "est_latency_ms": grad.estimated_latency * 1e3,
+           "gradient_curve": grad.curve, "task_best_ms": [c * 1e3 for c in grad.best_costs],
+           "task_weights": [t.weight for t in tasks], "workload_keys": [t.workload_key for t in tasks]}
+    for label in built:        # a wrong answer has no speedup
+        if not checks[label]["passed"]:
+            for ref in ("torch", "ort"):
+                row[f"{label}_vs_{ref}"] = row[f"{label}_vs_{ref}_pairwise"] = None
+    row["est_vs_measured"] = (row["est_latency_ms"] / row["tuned_ms"]) if row["tuned_ms"] else None
+    if "round-robin" in runs:
+        rr, rr_wall = runs["round-robin"]
+        goal = rr.curve[-1][1]
+        reached = trials_to_reach(grad.curve, goal)
+        row.update({"rr_final_objective_ms": goal * 1e3, "gradient_final_objective_ms": grad.curve[-1][1] * 1e3,
+                    "rr_trials": rr.trials, "rr_wall_s": rr_wall, "gradient_trials_to_rr_final": reached,
+                    "gradient_needs_fewer_trials": reached is not None and reached < rr.trials,
+                    "rr_curve": rr.curve, "rr_task_best_ms": [c * 1e3 for c in rr.best_costs]})
+    return row
+
+
+def printed(row: dict) -> dict:
+    """The table's view of a row: ratios as 'failed' where the answer was wrong."""
+    out = dict(row)
+    for label in ("tuned", "default"):
+        ok = row["checked"][label]
+        out[f"{label}_check"] = "ok" if ok else "FAILED"
+        for ref in ("torch", "ort"):
+            out[f"{label}_vs_{ref}"] = fmt_ratio(row[f"{label}_vs_{ref}"], failed=not ok)
+            out[f"{label}_vs_{ref}_pairwise"] = fmt_ratio(row[f"{label}_vs_{ref}_pairwise"], failed=not ok)
+    out["pairs_ok"] = f"{row['pairs'] - row['failed_pairs']}/{row['pairs']}"
+    return out
+
+
 def main(argv: list[str]) -> int:
     ensure_clean_blas_env()
     ap = argparse.ArgumentParser(prog="python -m bench network")
-    ap.add_argument("networks", nargs="*", default=["resnet-18"])
+    ap.add_argument("networks", nargs="*", default=["resnet-18"], help=", ".join(NETWORK_OPTIONS))
     ap.add_argument("--trials", type=int, default=2000)
-    ap.add_argument("--json")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", help="write the environment and the rows to this JSON file")
+    ap.add_argument("--threads", type=int, default=2, help="threads of every side (ours, PyTorch, ORT, BLAS)")
+    ap.add_argument("--pairs", type=int, default=PAIRS, help="timing pairs (alternating order)")
+    ap.add_argument("--image-size", type=int, help="input size of the CNNs (default 224; e.g. 64 for a smoke run)")
+    ap.add_argument("--seq-len", type=int, help="BERT's sequence length (default 128)")
     ap.add_argument("--no-round-robin", action="store_true", help="skip the round-robin comparison")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--records", metavar="DIR", help="keep the records in DIR/<network>/{warm-up,<strategy>} "
                                                       "(a fresh folder: a stored history would be resumed)")
+    ap.add_argument("--keep-onnx", metavar="DIR", help="write the exported ONNX files to DIR (default: a "
+                                                       "temporary folder, removed)")
     args = ap.parse_args(argv)
-    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+    unknown = [n for n in args.networks if n not in NETWORK_OPTIONS]
+    if unknown:
+        ap.error(f"unknown network(s) {unknown}; known: {', '.join(NETWORK_OPTIONS)}")
+    folder = args.keep_onnx or tempfile.mkdtemp(prefix="tensortune-bench-onnx-")
+    os.makedirs(folder, exist_ok=True)
     rows = []
-    for name in args.networks:
-        options = NETWORK_OPTIONS.get(name, {})
-        measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
-        strategies = ["gradient"] + ([] if args.no_round_robin else ["round-robin"])
-        net, tasks, runs = tune(name, args.trials, strategies, args.seed, options, measurer,
-                                os.path.join(args.records, name) if args.records else None)
-        measurer.close()
-        grad, wall = runs["gradient"]
-        default, ok_default = compiled_network(net, None)
-        best = {t.workload_key: s for t, s in zip(tasks, grad.best_steps) if s}
-        tuned, ok_tuned = compiled_network(net, best)
-        # default, tuned and PyTorch timed in turn (bench.common.paired_ms), medians of five
-        forward = torch_fn(name, args.threads, options)
-        timed = {}
-        for label, compiled in (("default", default), ("tuned", tuned)):
-            ours = lambda c=compiled: c.benchmark(repeat=5).median_ms   # noqa: E731
-            timed[label] = paired_ms(forward, ours) if forward is not None else (float("nan"), ours(), float("nan"))
-        row = {"network": name, "tasks": len(tasks), "trials": grad.trials, "default_ms": timed["default"][1],
-               "tuned_ms": timed["tuned"][1], "torch_ms": timed["tuned"][0],
-               "checked": ok_default and ok_tuned, "tune_wall_s": wall,
-               "est_latency_ms": grad.estimated_latency * 1e3, "gradient_curve": grad.curve,
-               "task_best_ms": [c * 1e3 for c in grad.best_costs],
-               # where the tuned network spends its time, per task (all its calls), against weight x best
-               "task_in_network_ms": [v * 1e3 for v in tuned.profile(repeat=5).values()]}
-        row["speedup_vs_torch"] = timed["tuned"][2]
-        row["default_vs_torch"] = timed["default"][2]
-        if "round-robin" in runs:
-            rr, rr_wall = runs["round-robin"]
-            target = rr.curve[-1][1]
-            reached = trials_to_reach(grad.curve, target)
-            row["rr_final_objective_ms"] = target * 1e3
-            row["gradient_final_objective_ms"] = grad.curve[-1][1] * 1e3
-            row["rr_trials"] = rr.trials
-            row["rr_wall_s"] = rr_wall
-            row["gradient_trials_to_rr_final"] = reached
-            row["gradient_needs_fewer_trials"] = reached is not None and reached < rr.trials
-            row["rr_curve"] = rr.curve
-            row["rr_task_best_ms"] = [c * 1e3 for c in rr.best_costs]
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if not k.endswith("curve")}), flush=True)
-    print_table(rows, ["network", "tasks", "trials", "default_ms", "tuned_ms", "torch_ms", "default_vs_torch",
-                       "speedup_vs_torch", "checked", "gradient_final_objective_ms", "rr_final_objective_ms",
-                       "rr_trials", "gradient_trials_to_rr_final"])
-    write_json(args.json, rows)
+    try:
+        with limit_threads(args.threads) as torch:
+            if torch is None:
+                ap.error("the network benchmark needs the bench extra: pip install -e '.[bench]' -c constraints.txt")
+            env = environment(args.threads)
+            print(f"{env['machine']['cpu_model']} ({env['machine']['llvm_host_cpu']}); BLAS {env['blas']}; "
+                  f"FMA peak {env['fma_peak_gflops']} GFLOP/s", flush=True)
+            for name in args.networks:
+                rows.append(bench_network(name, args, torch, folder))
+                print(json.dumps({k: v for k, v in rows[-1].items()
+                                  if not k.endswith("curve") and k not in ("pair_timings", "workload_keys")}),
+                      flush=True)
+                write_json(args.json, rows, env, benchmark="network")
+    finally:
+        if not args.keep_onnx:
+            shutil.rmtree(folder, ignore_errors=True)
+    print_table([printed(r) for r in rows],
+                ["network", "tasks", "trials", "tuned_check", "tuned_ms", "default_ms", "torch_ms", "ort_ms",
+                 "tuned_vs_torch", "tuned_vs_torch_pairwise", "tuned_vs_ort", "tuned_vs_ort_pairwise",
+                 "default_vs_torch", "est_latency_ms", "pairs_ok"])
+    if any("rr_trials" in r for r in rows):
+        print_table(rows, ["network", "gradient_final_objective_ms", "rr_final_objective_ms", "rr_trials",
+                           "gradient_trials_to_rr_final"])
+    print("ratios: <ours>_vs_<ref> = median ref ms / median ours ms over the pairs (recomputable from the "
+          "ms columns); _pairwise = the median of the per-pair ratios")
     return 0

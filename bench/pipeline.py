@@ -23,9 +23,8 @@ import shutil
 import socket
 import statistics
 import tempfile
-import time
 
-from bench.common import ensure_clean_blas_env, print_table, write_json
+from bench.common import Stopwatch, ensure_clean_blas_env, environment, print_table, write_json
 
 TARGET_OVERHEAD = 0.10
 
@@ -42,12 +41,12 @@ def run_direct(workload: str, args: list, trials: int, params, seed: int, record
     from flows.tuning import tune_task
     from storage.records import RecordStore
     from tasks.workload_registry import make_dag
-    t0 = time.perf_counter()
-    task = make_task(make_dag(workload, *args))
-    with ProgramMeasurer() as measurer:
-        res = tune_task(task, trials, measurer=measurer, params=params, records=RecordStore(records), seed=seed,
-                        seed_default=True)
-    wall = time.perf_counter() - t0
+    with Stopwatch() as watch:
+        task = make_task(make_dag(workload, *args))
+        with ProgramMeasurer() as measurer:
+            res = tune_task(task, trials, measurer=measurer, params=params, records=RecordStore(records), seed=seed,
+                            seed_default=True)
+    wall = watch.seconds
     work = sum(r.search_s + r.measure_s + r.train_s for r in res.rounds)
     return {"mode": "direct (library)", "trials": res.trials, "rounds": len(res.rounds), "wall_s": wall,
             "trials_per_min": 60 * res.trials / wall, "best_gflops": res.best_gflops,
@@ -58,10 +57,11 @@ def run_direct(workload: str, args: list, trials: int, params, seed: int, record
 def run_flow(workload: str, args: list, trials: int, params, seed: int, records: str) -> dict:
     from flows.tune_flow import tune_op_flow
     search = {k: v for k, v in params.as_dict().items() if k != "num_measures_per_round"}
-    t0 = time.perf_counter()
-    state = tune_op_flow(workload, list(args), trials=trials, records=records, per_round=params.num_measures_per_round,
-                         retrain_every=1, seed=seed, search=search, return_state=True)
-    wall = time.perf_counter() - t0
+    with Stopwatch() as watch:
+        state = tune_op_flow(workload, list(args), trials=trials, records=records,
+                             per_round=params.num_measures_per_round, retrain_every=1, seed=seed, search=search,
+                             return_state=True)
+    wall = watch.seconds
     if not state.is_completed():
         state.result()                                   # raises the flow's error
     out = state.result()
@@ -92,10 +92,10 @@ def compare_batches(workload: str, args: list, per_round: int, batches: int, see
             m.measure(task, steps[:4])                   # start the worker processes outside the timing
         for k in range(batches):
             for name, m in (("local", local), ("dask", dask)) if k % 2 == 0 else (("dask", dask), ("local", local)):
-                t0 = time.perf_counter()
-                results = m.measure(task, steps)
+                with Stopwatch() as watch:
+                    results = m.measure(task, steps)
                 rows.append({"mode": f"batch ({name} measurer)", "pair": k, "trials": len(steps),
-                             "wall_s": time.perf_counter() - t0, "ok": sum(r.ok for r in results)})
+                             "wall_s": watch.seconds, "ok": sum(r.ok for r in results)})
                 print(rows[-1], flush=True)
     return rows
 
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="pairs of runs (alternating order)")
     ap.add_argument("--batches", type=int, default=3, help="pairs of same-batch measurements (0: none)")
-    ap.add_argument("--json", help="write one JSON object per row to this file")
+    ap.add_argument("--json", help="write the environment and the rows to this JSON file")
     args = ap.parse_args(argv)
     ensure_clean_blas_env()
     home = tempfile.mkdtemp(prefix="tensortune-bench-pipeline-")
@@ -123,9 +123,10 @@ def main(argv: list[str]) -> int:
     params = SearchParams(population=args.population, sample_init_population=args.population,
                           num_measures_per_round=args.per_round)
     wl_args = [int(a) for a in args.args.split(",") if a]
-    t0 = time.perf_counter()
-    server = start_server(port=_free_port(), log_path=os.path.join(home, "server.log"))
-    server_s = time.perf_counter() - t0
+    env = environment(os.cpu_count())
+    with Stopwatch() as watch:
+        server = start_server(port=_free_port(), log_path=os.path.join(home, "server.log"))
+    server_s = watch.seconds
     print(f"prefect server on {server.api_url} (pid {server.pid}) started in {server_s:.1f} s", flush=True)
     rows = []
     try:
@@ -168,5 +169,5 @@ def main(argv: list[str]) -> int:
     print(f"orchestration overhead, controlled: {verdict(controlled)} = ({outside_s:.2f} s outside the flow's "
           f"steps + {rounds:g} rounds x {batch_delta:+.2f} s per batch on Dask) / {d_wall:.1f} s")
     print(f"prefect server start-up {server_s:.1f} s (once per machine, not counted)")
-    write_json(args.json, rows + batch_rows + [summary])
+    write_json(args.json, rows + batch_rows + [summary], env, benchmark="pipeline")
     return 0

@@ -14,12 +14,12 @@ import platform
 import shutil
 import statistics
 import tempfile
-import time
 from datetime import datetime, timedelta, timezone
 from typing import Callable
 
 import numpy as np
 
+from bench.common import Stopwatch, environment
 from storage.records import RecordStore
 from storage.synthetic import synthetic_batch, workload_key
 
@@ -30,9 +30,9 @@ def _median_seconds(action: Callable[[], object], repeats: int) -> tuple[float, 
     """(first, median) wall time of `action` over `repeats` runs."""
     times = []
     for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - started)
+        with Stopwatch() as watch:
+            action()
+        times.append(watch.seconds)
     return times[0], statistics.median(times)
 
 
@@ -62,6 +62,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", help="write the result rows to this JSON file")
     args = parser.parse_args(argv)
 
+    env = environment(os.cpu_count()) if args.json else None
     root = args.dir or tempfile.mkdtemp(prefix="tensortune-bench-storage-")
     if args.dir and os.path.exists(root) and os.listdir(root):
         parser.error(f"--dir {root} is not empty; give an empty or new folder")
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> int:
     _print(rows, args)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"suite": "storage", "machine": platform.node(), "cpus": os.cpu_count(),
+            json.dump({"benchmark": "storage", "environment": env, "host": platform.node(),
                        "records": args.records, "batch": args.batch, "tasks": args.tasks,
                        "fsync": not args.no_fsync, "rows": rows}, out, indent=1)
     return 0
@@ -87,14 +88,14 @@ def _run(root: str, args: argparse.Namespace) -> list[dict[str, object]]:
     batches = -(-args.records // args.batch)
     for index in range(batches):
         size = min(args.batch, args.records - index * args.batch)
-        started = time.perf_counter()
-        records = synthetic_batch(rng, size, target=TARGET, tasks=args.tasks,
-                                  flow_run_id=f"run-{index // 500:04d}", round=index % 500,
-                                  timestamp=start + timedelta(seconds=index), host="bench")
-        built = time.perf_counter()
-        store.append(records)
-        build_seconds += built - started
-        append_seconds += time.perf_counter() - built
+        with Stopwatch() as building:
+            records = synthetic_batch(rng, size, target=TARGET, tasks=args.tasks,
+                                      flow_run_id=f"run-{index // 500:04d}", round=index % 500,
+                                      timestamp=start + timedelta(seconds=index), host="bench")
+        with Stopwatch() as appending:
+            store.append(records)
+        build_seconds += building.seconds
+        append_seconds += appending.seconds
     appended = f"as appended (auto {args.auto_compact})" if args.auto_compact else "as appended"
     rows: list[dict[str, object]] = [
         {"metric": "append throughput", "layout": appended, "value": args.records / append_seconds,

@@ -1,21 +1,26 @@
 """`python -m bench tune`: does the search find kernels faster than the libraries people use?
 
 Tunes matmul 1024^3, matmul+bias+relu 1024^3, the ResNet-18 conv2d+relu layer and a MobileNet-V2
-depthwise conv, then re-times the best program with more repeats and compares it with NumPy/OpenBLAS or
-PyTorch CPU (same thread count, alternating timings) and the measured FMA peak. Reports search and measurement time
-separately and the best-so-far curve; `--ablate` adds the random-model and no-crossover runs at equal
-trials; `--retime JSON` re-times the fastest programs a previous run wrote, without searching.
-`--target cuda` runs the GPU benchmark (bench/tune_cuda.py).
+depthwise conv, then re-times the best programs in a fresh isolated runner (`RUNNER_TIMING`: median of 3
+repeats of >= 200 ms, bench.common's protocol) and compares the fastest with NumPy/OpenBLAS or PyTorch
+CPU, timed in this process by bench.common.measure, in alternating pairs (bench.common.compare), and
+with the measured FMA peak. `--threads N` is every side's thread count: kernels tuned and run for
+`llvm -num-threads=N`, BLAS and PyTorch limited to N. Reports search and measurement time separately and
+the best-so-far curve; `--ablate` adds the random-model and no-crossover runs at equal trials and equal
+evolution generations; `--retime JSON` re-times the fastest programs a previous run wrote, without
+searching. `--target cuda` runs the GPU benchmark (bench/tune_cuda.py).
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
-import time
 
-from bench.common import (blas_info, ensure_clean_blas_env, measure_fma_peak, paired_ms, print_table,
+from bench.common import (BATCHES, MIN_BATCH_MS, PAIRS, Stopwatch, compare, ensure_clean_blas_env, environment,
+                          in_process, limit_threads, llvm_target, print_table, read_json_rows, threads_used,
                           torch_threads, write_json)
+from search.cost_model import RandomModel, XGBModel
 
 WORKLOADS = {
     "matmul": ("matmul", (1024, 1024, 1024), "numpy"),
@@ -44,78 +49,111 @@ def library_fn(key: str, dag, threads: int) -> tuple[str, object]:
     return "torch", lambda: torch.nn.functional.conv2d(x, w, padding=1, groups=w.shape[0])
 
 
+class SameGenerationsRandomModel(RandomModel):
+    """The ablation's random model: ranks programs at random, and counts as "random" (for which
+    SketchPolicy.evolve cuts evolution to 2 generations, since evolving under random scores is wasted)
+    only while XGBModel would: until it has been updated with `num_warmup_sample` programs. So every
+    ablation row runs the same evolution generations in the same rounds (2 in the first rounds, then
+    SearchParams.num_iters), and the rows differ in the model's ranking alone."""
+
+    def __init__(self, seed: int = 0,
+                 num_warmup_sample: int = inspect.signature(XGBModel).parameters["num_warmup_sample"].default):
+        super().__init__(seed)
+        self.num_warmup_sample, self.n_programs = num_warmup_sample, 0
+
+    def update(self, task, states, costs) -> None:
+        self.n_programs += len(states)
+
+    @property
+    def is_random(self) -> bool:
+        return self.n_programs < self.num_warmup_sample
+
+
 def run_one(key: str, trials: int, model: str, crossover: float, measurer, seed: int, per_round: int,
-            overrides: dict | None = None):
+            overrides: dict | None = None, threads: int = 2):
     from codegen.target import make_task
     from flows.tuning import tune_task
     from search.sketch_policy import SearchParams
     from tasks.workload_registry import make_dag
     name, args, _ = WORKLOADS[key]
-    task = make_task(make_dag(name, *args))
+    task = make_task(make_dag(name, *args), llvm_target(threads))
     params = SearchParams(**{"crossover_prob": crossover, "num_measures_per_round": per_round, **(overrides or {})})
-    t0 = time.perf_counter()
-    res = tune_task(task, trials, measurer=measurer, model=model, params=params, seed=seed,
+    cost_model = SameGenerationsRandomModel(seed) if model == "random" else model
+    watch = Stopwatch()
+    res = tune_task(task, trials, measurer=measurer, model=cost_model, params=params, seed=seed,
                     progress=lambda log, r: print(f"  {key} [{model}, crossover {crossover}] round {log.round}: "
                                                   f"{log.trials} trials, best {log.best_gflops:.1f} GFLOP/s, "
                                                   f"search {log.search_s + log.train_s:.1f}s measure {log.measure_s:.1f}s",
                                                   flush=True))
-    wall = time.perf_counter() - t0
+    wall = watch.elapsed
     per_round_overhead = [x.search_s + x.train_s for x in res.rounds]
     return task, res, wall, per_round_overhead
 
 
-def retime_against_library(key: str, task, fastest: list, threads: int,
-                           top: int = 10) -> tuple[str, float, float, float, str | None]:
-    """(library, library ms, our ms, ratio, steps). The search timed each program once, so its fastest
+def retime_against_library(key: str, task, fastest: list, threads: int, pairs: int = PAIRS,
+                           top: int = 10) -> tuple[str, dict, str | None]:
+    """(library, the comparison's fields, steps). The search timed each program once, so its fastest
     may owe its place to a lucky moment of this machine: the `top` fastest are re-timed in a fresh
-    runner, and the fastest of those is then timed alternating with the library (bench.common.paired_ms).
-    The runner is the only one alive: two processes' thread pools meeting on two cores can put a kernel
-    into a slow mode that costs milliseconds per parallel region (README, "Tuning one operator")."""
+    runner, and the fastest of those is then timed alternating with the library (bench.common.compare;
+    the runner's protocol is bench.common's). The runner checks each output against the NumPy
+    reference, so a wrong program fails its pairs. The runner is the only one alive: two processes'
+    thread pools meeting on two cores can put a kernel into a slow mode that costs milliseconds per
+    parallel region (README, "Tuning one operator")."""
     from codegen.measure import LocalRunner
     from codegen.timing import TimingConfig
     lib, fn = library_fn(key, task.dag, threads)
     candidates = [steps for _, steps in fastest[:top]]
     builds = retime_builds(task, candidates) if candidates else []
-    retime = LocalRunner(timeout=60, config=TimingConfig(repeat=3, min_repeat_ms=200))
+    retime = LocalRunner(timeout=60, config=TimingConfig(repeat=BATCHES, min_repeat_ms=MIN_BATCH_MS))
 
     def timed(build) -> float:
         if build.artifact is None:
-            return float("nan")
+            raise RuntimeError(f"build failed: {build.error_msg[:300]}")
         (r,) = retime.run(task, [build])
-        return statistics.median(r.costs) * 1e3 if r.ok else float("nan")
+        if not r.ok:
+            raise RuntimeError(f"error {r.error_code}: {r.error_msg[:300]}")
+        return statistics.median(r.costs) * 1e3
+
+    def try_timed(build) -> float | None:
+        try:
+            return timed(build)
+        except RuntimeError:
+            return None
     try:
-        ranked = sorted((t, i) for i, t in enumerate(timed(b) for b in builds) if t == t)
+        ranked = sorted((t, i) for i, t in enumerate(try_timed(b) for b in builds) if t is not None)
         if not ranked:
-            return lib, float("nan"), float("nan"), float("nan"), None
+            return lib, {"tuned_ms": None, "pairs": 0, "failed_pairs": 0, "pair_errors": ["no valid program"]}, None
         best = ranked[0][1]
-        if fn is None:
-            return lib, float("nan"), ranked[0][0], float("nan"), candidates[best]
-        return (lib, *paired_ms(fn, lambda: timed(builds[best])), candidates[best])
+        sides = {"tuned": lambda: timed(builds[best]), **({lib: in_process(fn)} if fn is not None else {})}
+        return lib, compare(sides, pairs).fields("tuned", [lib] if fn is not None else []), candidates[best]
     finally:
         retime.close()
 
 
-def retimed(key: str, task, fastest: list, threads: int, peak: float) -> dict:
-    """The row fields the re-timing gives (ms, GFLOP/s, the library's ms and the ratio, best steps)."""
-    lib, lib_ms, ms, ratio, steps = retime_against_library(key, task, fastest, threads)
-    gflops = task.flops / ms / 1e6 if ms == ms else float("nan")
-    return {"ms": ms, "gflops": gflops, f"{lib}_ms": lib_ms, "ratio": ratio, "vs": lib,
-            "peak_frac": gflops / peak, "best_steps": steps}
+def retimed(key: str, task, fastest: list, threads: int, peak: float, pairs: int = PAIRS) -> dict:
+    """The row fields the re-timing gives: ms, GFLOP/s, the library's ms, the ratio of the medians
+    (`ratio` = library ms / ms) and the median of the per-pair ratios, the pairs, the best steps."""
+    lib, got, steps = retime_against_library(key, task, fastest, threads, pairs)
+    ms = got["tuned_ms"]
+    gflops = task.flops / ms / 1e6 if ms else None
+    return {"ms": ms, "gflops": gflops, f"{lib}_ms": got.get(f"{lib}_ms"), "ratio": got.get(f"tuned_vs_{lib}"),
+            "ratio_pairwise": got.get(f"tuned_vs_{lib}_pairwise"), "vs": lib,
+            "pairs_ok": f"{got['pairs'] - got['failed_pairs']}/{got['pairs']}",
+            "peak_frac": gflops / peak if gflops else None, "best_steps": steps, "target": str(task.target),
+            **{k: v for k, v in got.items() if k not in ("tuned_ms", f"{lib}_ms")}}
 
 
-def retime_file(path: str, keys: list[str], threads: int, peak: float) -> list[dict]:
+def retime_file(path: str, keys: list[str], threads: int, peak: float, pairs: int = PAIRS) -> list[dict]:
     """Re-time the fastest programs a previous run wrote (its `fastest_seen`), without searching again."""
     from codegen.target import make_task
     from tasks.workload_registry import make_dag
-    with open(path) as f:
-        old = [json.loads(line) for line in f if line.strip()]
     rows = []
-    for row in old:
+    for row in read_json_rows(path):
         if row["workload"] not in keys:
             continue
         name, args, _ = WORKLOADS[row["workload"]]
-        task = make_task(make_dag(name, *args))
-        rows.append({**row, **retimed(row["workload"], task, row["fastest_seen"], threads, peak),
+        task = make_task(make_dag(name, *args), llvm_target(threads))
+        rows.append({**row, **retimed(row["workload"], task, row["fastest_seen"], threads, peak, pairs),
                      "retimed_from": path})
         print_row(rows[-1])
     return rows
@@ -123,7 +161,8 @@ def retime_file(path: str, keys: list[str], threads: int, peak: float) -> list[d
 
 def print_row(row: dict) -> None:
     """A row as one JSON line, without its long fields (the curve and the programs)."""
-    print(json.dumps({k: v for k, v in row.items() if k not in ("curve", "best_steps", "fastest_seen")}), flush=True)
+    print(json.dumps({k: v for k, v in row.items()
+                      if k not in ("curve", "best_steps", "fastest_seen", "pair_timings")}), flush=True)
 
 
 def retime_builds(task, steps: list[str]):
@@ -146,7 +185,7 @@ def plot(curves: dict, path: str) -> None:
             if k == key:
                 ax.plot(xs, ys, label=label)
         ref = next(v[2] for (k, _), v in curves.items() if k == key)
-        if ref == ref:
+        if ref:
             ax.axhline(ref, color="k", ls="--", lw=1, label="library")
         ax.set_title(key)
         ax.set_xlabel("trials")
@@ -167,16 +206,17 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
     rows, curves = [], {}
     runs = [("xgb", 0.05, "xgb+crossover")]
     if args.ablate:
-        runs += [("random", 0.05, "random model"), ("xgb", 0.0, "no crossover")]
+        runs += [("random", 0.05, "random model"), ("xgb", 0.0, "no crossover")]   # same generations
     for key in args.workloads.split(","):
         for model, cross, label in runs:
             measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
             try:
                 task, res, wall, overhead = run_one(key, args.trials, model, cross, measurer, args.seed,
-                                                    args.per_round, overrides)
+                                                    args.per_round, overrides, args.threads)
             finally:
                 measurer.close()        # its runner's thread pool must not meet the re-timing's
-            rows.append({"workload": key, "run": label, **retimed(key, task, res.fastest, args.threads, peak),
+            rows.append({"workload": key, "run": label,
+                         **retimed(key, task, res.fastest, args.threads, peak, args.pairs),
                          "best_seen_gflops": res.best_gflops,
                          "trials": res.trials, "search_s": res.search_seconds, "measure_s": res.measure_seconds,
                          "wall_s": wall, "max_search_s_per_round": max(overhead) if overhead else 0.0,
@@ -185,7 +225,7 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
                          "curve": [[t, g] for t, g in res.curve]})
             lib_ms = rows[-1][f"{rows[-1]['vs']}_ms"]
             curves[(key, label)] = ([t for t, _ in res.curve], [g for _, g in res.curve],
-                                    task.flops / lib_ms / 1e6 if lib_ms == lib_ms else float("nan"))
+                                    task.flops / lib_ms / 1e6 if lib_ms else None)
             print_row(rows[-1])
     return rows, curves
 
@@ -193,11 +233,12 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench tune")
     ap.add_argument("--trials", type=int, default=1000)
-    ap.add_argument("--json", help="write one JSON object per row to this file")
+    ap.add_argument("--json", help="write the environment and the rows to this JSON file")
     ap.add_argument("--ablate", action="store_true", help="also run the random model and no crossover")
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="threads of every side (ours, BLAS, PyTorch)")
+    ap.add_argument("--pairs", type=int, default=PAIRS, help="timing pairs (alternating order)")
     ap.add_argument("--per-round", type=int, default=64)
     ap.add_argument("--plot", default="docs/tune_curve.png")
     ap.add_argument("--seed", type=int, default=0)
@@ -210,15 +251,22 @@ def main(argv: list[str]) -> int:
         from bench import tune_cuda
         return tune_cuda.main(argv)
     ensure_clean_blas_env()
-    peak = measure_fma_peak(args.threads)
-    print(f"BLAS: {blas_info()}; fp32 FMA peak {peak:.0f} GFLOP/s on {args.threads} threads")
-    if args.retime:
-        rows, curves = retime_file(args.retime, args.workloads.split(","), args.threads, peak), {}
-    else:
-        rows, curves = tune_and_retime(args, peak)
-    print_table(rows, ["workload", "run", "ms", "gflops", "vs", "numpy_ms", "torch_ms", "ratio", "peak_frac",
-                       "trials", "search_s", "measure_s", "median_search_s_per_round"])
-    write_json(args.json, rows)
+    with limit_threads(args.threads):
+        env = environment(args.threads)
+        peak = env["fma_peak_gflops"].get(str(args.threads), env["fma_peak_gflops"]["1"])
+        print(f"BLAS: {env['blas']}; fp32 FMA peak {env['fma_peak_gflops']} GFLOP/s (by threads)")
+        if args.retime:
+            rows = retime_file(args.retime, args.workloads.split(","), args.threads, peak, args.pairs)
+            curves = {}
+        else:
+            rows, curves = tune_and_retime(args, peak)
+        env["threads_used"] = threads_used(llvm_target(args.threads))
+    print(f"threads used: {env['threads_used']}")
+    print_table(rows, ["workload", "run", "ms", "gflops", "vs", "numpy_ms", "torch_ms", "ratio", "ratio_pairwise",
+                       "pairs_ok", "peak_frac", "trials", "search_s", "measure_s", "median_search_s_per_round"])
+    print("ratio = median library ms / median ms over the pairs (recomputable from the ms columns); "
+          "ratio_pairwise = the median of the per-pair ratios")
+    write_json(args.json, rows, env, benchmark="tune")
     if args.plot and curves:
         plot(curves, args.plot)
     return 0

@@ -1,24 +1,24 @@
 """`python -m bench tune --target cuda`: tuned CUDA kernels against PyTorch (cuBLAS / cuDNN) on one GPU.
 
 Tunes matmul 4096^3 and every distinct conv2d layer of ResNet-50 (batch 1, NCHW, fp32), re-times the
-best program of each (CUDA events, TVM's protocol, median of 5 repeats of at least 200 ms), checks
-it against PyTorch on the CPU, and times the same computation in PyTorch on the same GPU with TF32
-off (plain fp32, as the tuned kernels compute), replayed from a CUDA graph (the library's kernels
-alone) and called eagerly (with PyTorch's per-call dispatch). The tuned kernels are built and timed in worker
-processes (pycuda); PyTorch runs in this one, so the two never share a CUDA context.
+best program of each (CUDAKernel.time: CUDA events, median of 5 repeats of at least 200 ms, the
+protocol of bench.common.measure), checks it against PyTorch on the CPU, and times the same computation
+in PyTorch on the same GPU with TF32 off (plain fp32, as the tuned kernels compute) by
+bench.common.measure with CUDA events (bench.common.cuda_clock), replayed from a CUDA graph (the
+library's kernels alone) and called eagerly (with PyTorch's per-call dispatch). The tuned kernels are
+built and timed in worker processes (pycuda); PyTorch runs in this one, so the two never share a CUDA
+context. A row whose output failed its check has no speedup and is left out of the ResNet-50 total.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
-import time
 
-from bench.common import print_table
+from bench.common import Stopwatch, cuda_clock, environment, fmt_ratio, measure, print_table, write_json
 
 MATMUL = ("matmul", (4096, 4096, 4096))
+GPU_BATCHES, GPU_MIN_BATCH_MS = 5, 200.0      # both sides: median of 5 batches of >= 200 ms
 
 
 def resnet50_convs() -> list[tuple[tuple, int]]:
@@ -86,7 +86,8 @@ def verify_job(payload: tuple) -> tuple[float, str]:
         ref = torch.nn.functional.conv2d(a, b, stride=conv[0], padding=conv[1]).numpy()
     bad = mismatch(outs[0], ref.astype(np.float64))
     dev = kernel.device_args(list(inputs) + outs)
-    costs = kernel.time(dev, number=3, repeat=5, min_repeat_ms=200, warmup=3)
+    # bench.common's protocol, run in this worker: CUDA events, median of batches of >= 200 ms
+    costs = kernel.time(dev, number=3, repeat=GPU_BATCHES, min_repeat_ms=GPU_MIN_BATCH_MS, warmup=3)
     return statistics.median(costs), bad or ""
 
 
@@ -116,27 +117,16 @@ def torch_ms(item: dict) -> tuple[float, float]:
             out = fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def timed(call, number: int) -> float:
-        start.record()
-        for _ in range(number):
-            call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / number
-
-    per = timed(fn, 3)
-    eager = statistics.median(timed(fn, max(3, int(200 / max(per, 1e-3)))) for _ in range(5))
-    calls = int(min(max(3, 50 / max(per, 1e-3)), 2000, max(3, (2 << 30) // max(1, out.numel() * 4))))
+    clock = cuda_clock(torch)
+    eager = measure(fn, min_batch_ms=GPU_MIN_BATCH_MS, batches=GPU_BATCHES, clock=clock).ms
+    calls = int(min(max(3, 50 / max(eager, 1e-3)), 2000, max(3, (2 << 30) // max(1, out.numel() * 4))))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    replays = max(1, int(200 / max(timed(graph.replay, 1), 1e-3)))
-    graphed = statistics.median(timed(graph.replay, replays) for _ in range(5)) / calls
+    graphed = measure(graph.replay, min_batch_ms=GPU_MIN_BATCH_MS, batches=GPU_BATCHES, clock=clock).ms / calls
     del graph
     torch.cuda.empty_cache()
     return graphed, eager
@@ -152,6 +142,24 @@ def gpu_name() -> str:
 
 # ------------------------------------------------------------------------------ driver
 
+def resnet50_total(rows: list[dict]) -> dict | None:
+    """The ResNet-50 conv rows summed (each times its layer count) over the rows that passed
+    verification; the failed ones are named and left out (a wrong kernel has no time worth adding)."""
+    convs = [r for r in rows if r["task"].startswith("r50.")]
+    good = [r for r in convs if r["verified"]]
+    if not good:
+        return None
+    tot = {"task": f"ResNet-50 convs (x layers), {len(good)} of {len(convs)} verified", "total": True,
+           "layers": sum(r["layers"] for r in good), "trials": sum(r["trials"] for r in good),
+           "tuned_ms": sum(r["tuned_ms"] * r["layers"] for r in good),
+           "torch_ms": sum(r["torch_ms"] * r["layers"] for r in good),
+           "torch_eager_ms": sum(r["torch_eager_ms"] * r["layers"] for r in good),
+           "excluded_failed": [r["task"] for r in convs if not r["verified"]]}
+    tot["verified"] = not tot["excluded_failed"]
+    tot["tuned/torch"] = tot["torch_ms"] / tot["tuned_ms"]
+    return tot
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench tune --target cuda")
     ap.add_argument("--target", default="cuda")
@@ -163,17 +171,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--check-gflop", type=float, default=1000.0,
                     help="check candidates against the NumPy reference while tuning tasks up to this size")
     ap.add_argument("--run-timeout", type=float, default=10.0, help="seconds per candidate's check and timing")
-    ap.add_argument("--json", help="write one JSON object per row to this file (rewritten after each task)")
+    ap.add_argument("--json", help="write the environment and the rows to this JSON file (rewritten after each task)")
     ap.add_argument("--torch-only", action="store_true", help="only time PyTorch on the workloads")
     args, _ = ap.parse_known_args(argv)
+    env = environment(os.cpu_count())
+    env["gpu"] = name = gpu_name()
     if args.torch_only:
         rows = []
         for item in workloads(args.workloads):
             tms, eager = torch_ms(item)
-            rows.append({"date": datetime.date.today().isoformat(), "gpu": gpu_name(), "task": item["label"],
-                         "layers": item["count"], "torch_ms": tms, "torch_eager_ms": eager})
+            rows.append({"gpu": name, "task": item["label"], "layers": item["count"], "torch_ms": tms,
+                         "torch_eager_ms": eager})
             print(f"  {item['label']}: torch {tms:.4f} ms (eager {eager:.4f})", flush=True)
-        _write(args.json, rows)
+            write_json(args.json, rows, env, benchmark="tune-cuda")
         return 0
 
     from codegen.cuda_backend import device_target
@@ -187,9 +197,8 @@ def main(argv: list[str]) -> int:
 
     target = device_target() if args.target.strip() == "cuda" else args.target
     items = workloads(args.workloads)
-    name = gpu_name()
-    date = datetime.date.today().isoformat()
-    print(f"{date} on {name}; target '{target}'; {args.trials} trials per task; {len(items)} tasks", flush=True)
+    env["target"] = str(target)
+    print(f"{env['date']} on {name}; target '{target}'; {args.trials} trials per task; {len(items)} tasks", flush=True)
     measurer = ProgramMeasurer(LocalBuilder(n_parallel=os.cpu_count(), timeout=60),
                                LocalRunner(timeout=args.run_timeout, config=TimingConfig(min_repeat_ms=50)))
     verifier = WorkerPool("bench.tune_cuda:verify_job", 1, timeout=600)
@@ -198,15 +207,15 @@ def main(argv: list[str]) -> int:
         for item in items:
             task = make_task(make_dag(item["workload"], *item["args"]), target, name=item["label"])
             measurer.runner.config = TimingConfig(min_repeat_ms=50, check_correctness=task.flops / 1e9 <= args.check_gflop)
-            t0 = time.perf_counter()
+            watch = Stopwatch()
             res = tune_task(task, args.trials, measurer=measurer, model=args.model, seed=args.seed,
                             params=SearchParams(num_measures_per_round=args.per_round),
                             progress=lambda log, r: print(
                                 f"    round {log.round}: {log.trials} trials, best {log.best_gflops:.0f} GFLOP/s, "
                                 f"{log.errors} errors; search {log.search_s + log.train_s:.1f} s, measure "
                                 f"{log.measure_s:.1f} s", flush=True))
-            wall = time.perf_counter() - t0
-            row = {"date": date, "gpu": name, "task": item["label"], "layers": item["count"],
+            wall = watch.elapsed
+            row = {"gpu": name, "task": item["label"], "layers": item["count"],
                    "trials": res.trials, "gflop": task.flops / 1e9, "tune_s": wall,
                    "errors": sum(r.errors for r in res.rounds)}
             ms, bad = float("nan"), "no valid program"
@@ -217,33 +226,24 @@ def main(argv: list[str]) -> int:
                     (r,) = verifier.map([(task.to_json(), b.artifact, conv)])
                     ms, bad = (r.value[0] * 1e3, r.value[1]) if r.ok else (float("nan"), r.error.splitlines()[0])
             tms, eager = torch_ms(item)
-            row.update({"tuned_ms": ms, "torch_ms": tms, "torch_eager_ms": eager, "tuned_tflops": task.flops / ms / 1e9,
-                        "torch_tflops": task.flops / tms / 1e9, "tuned/torch": tms / ms, "verified": not bad,
-                        "note": bad[:120]})
+            ok = not bad and ms == ms
+            row.update({"tuned_ms": ms if ms == ms else None, "torch_ms": tms, "torch_eager_ms": eager,
+                        "tuned_tflops": task.flops / ms / 1e9 if ok else None, "torch_tflops": task.flops / tms / 1e9,
+                        "tuned/torch": tms / ms if ok else None,      # a wrong answer has no speedup
+                        "verified": ok, "note": bad[:120]})
             rows.append(row)
             print(f"  {item['label']}: tuned {ms:.4f} ms, torch {tms:.4f} ms (eager {eager:.4f}), {res.trials} trials, "
-                  f"{wall:.0f} s{'' if not bad else ' MISMATCH ' + bad[:80]}", flush=True)
-            _write(args.json, rows)
+                  f"{wall:.0f} s{'' if not bad else ' FAILED ' + bad[:80]}", flush=True)
+            write_json(args.json, rows, env, benchmark="tune-cuda")
     finally:
         measurer.close()
         verifier.close()
-    convs = [r for r in rows if r["task"].startswith("r50.")]
-    if convs:
-        tot = {"date": date, "gpu": name, "task": "ResNet-50 convs (x layers)", "layers": sum(r["layers"] for r in convs),
-               "trials": sum(r["trials"] for r in convs),
-               "tuned_ms": sum(r["tuned_ms"] * r["layers"] for r in convs),
-               "torch_ms": sum(r["torch_ms"] * r["layers"] for r in convs),
-               "torch_eager_ms": sum(r["torch_eager_ms"] * r["layers"] for r in convs)}
-        tot["tuned/torch"] = tot["torch_ms"] / tot["tuned_ms"]
-        rows.append(tot)
-    print_table(rows, ["task", "layers", "trials", "tuned_ms", "tuned_tflops", "torch_ms", "torch_eager_ms",
-                       "torch_tflops", "tuned/torch", "verified"])
-    _write(args.json, rows)
+    tot = resnet50_total(rows)
+    if tot is not None:
+        rows.append({"gpu": name, **tot})
+    shown = [{**r, "tuned/torch": fmt_ratio(r.get("tuned/torch"), failed=not r.get("verified", True)
+                                            and not r.get("total", False))} for r in rows]
+    print_table(shown, ["task", "layers", "trials", "tuned_ms", "tuned_tflops", "torch_ms", "torch_eager_ms",
+                        "torch_tflops", "tuned/torch", "verified"])
+    write_json(args.json, rows, env, benchmark="tune-cuda")
     return 0
-
-
-def _write(path: str | None, rows: list[dict]) -> None:
-    if path:
-        with open(path, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")

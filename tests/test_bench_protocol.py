@@ -1,0 +1,243 @@
+"""The benchmarks' timing discipline (issue 23): one timing protocol, paired comparisons that alternate,
+failed pairs counted and never in a median, and no speedup for a wrong answer.
+
+The first test reads bench/*.py and fails if a benchmark reads a clock or times anything outside
+bench/common.py's timing code; the rest drive the pairing function with deterministic fake sides.
+No test here times anything or depends on this machine's speed.
+"""
+from __future__ import annotations
+
+import ast
+import math
+import pathlib
+
+import pytest
+
+from bench import common
+from bench.common import Comparison, compare, fmt_ratio, measure
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+
+# a call of one of these reads a clock or times something: time.perf_counter(), time.time(),
+# CompiledNetwork.benchmark(), torch.cuda.Event(...).elapsed_time(...), timeit ...
+TIMING_CALLS = {"perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "process_time", "process_time_ns",
+                "thread_time", "thread_time_ns", "time", "time_ns", "default_timer", "elapsed_time", "time_till",
+                "Event", "benchmark", "profile", "timeit", "autorange"}
+TIMING_MODULES = {"timeit"}
+
+# (file, outermost function or class) -> why it may read a clock
+ALLOWED = {
+    ("common.py", "_perf_clock"): "the host clock of bench.common.measure (the one protocol)",
+    ("common.py", "cuda_clock"): "the CUDA-event clock of bench.common.measure on the GPU",
+    ("common.py", "Stopwatch"): "wall time of one event (a tuning run, a query), never a compared speed",
+    ("tune_cuda.py", "verify_job"): "the tuned CUDA kernel timed in its worker process by CUDAKernel.time, "
+                                     "the same protocol (median of batches of >= 200 ms, CUDA events)",
+}
+
+
+def _violations(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+
+    def visit(node: ast.AST, owner: str | None) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and owner is None:
+            owner = node.name
+        allowed = (path.name, owner) in ALLOWED
+        where = f"{path.name}:{getattr(node, 'lineno', '?')} (in {owner or 'module level'})"
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in TIMING_MODULES:
+                    found.append(f"{where}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom):
+            if (node.module or "").split(".")[0] in TIMING_MODULES:
+                found.append(f"{where}: from {node.module} import ...")
+            if node.module == "time":
+                found.extend(f"{where}: from time import {a.name}" for a in node.names if a.name in TIMING_CALLS)
+        elif isinstance(node, ast.Call) and not allowed:
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else None
+            if name in TIMING_CALLS:
+                found.append(f"{where}: {ast.unparse(fn)}(...)")
+        for child in ast.iter_child_nodes(node):
+            visit(child, owner)
+
+    visit(tree, None)
+    return found
+
+
+def test_benchmarks_time_only_through_the_common_protocol():
+    files = sorted(BENCH.glob("*.py"))
+    assert any(f.name == "network.py" for f in files)
+    bad = [v for f in files for v in _violations(f)]
+    assert not bad, ("benchmarks must time through bench.common (measure / compare / Stopwatch):\n  "
+                     + "\n  ".join(bad))
+
+
+def test_the_checker_catches_a_stray_clock(tmp_path):
+    stray = tmp_path / "network.py"
+    stray.write_text("import time\nfrom time import perf_counter\n\ndef f(net):\n"
+                     "    t0 = time.perf_counter()\n    net.benchmark(repeat=5)\n    return time.time() - t0\n")
+    found = _violations(stray)
+    assert len(found) == 4, found          # the import, perf_counter(), benchmark(), time()
+
+
+def test_every_allowance_names_existing_code():
+    for file, owner in ALLOWED:
+        tree = ast.parse((BENCH / file).read_text())
+        names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        assert owner in names, (file, owner)
+
+
+# ---------------------------------------------------------------------------------- fake sides
+
+class Fake:
+    """A side that returns the given milliseconds in turn (an exception instance is raised) and logs its
+    calls in a shared list."""
+
+    def __init__(self, name: str, values: list, log: list):
+        self.name, self.values, self.log, self.i = name, list(values), log, 0
+
+    def __call__(self) -> float:
+        self.log.append(self.name)
+        v = self.values[self.i]
+        self.i += 1
+        if isinstance(v, BaseException):
+            raise v
+        return v
+
+
+def test_pairs_alternate_which_side_goes_first():
+    log: list[str] = []
+    cmp = compare({"ours": Fake("ours", [1.0] * 4, log), "lib": Fake("lib", [2.0] * 4, log)}, pairs=4)
+    assert log == ["ours", "lib", "lib", "ours", "ours", "lib", "lib", "ours"]
+    assert [p.order for p in cmp.pairs] == [("ours", "lib"), ("lib", "ours")] * 2
+
+
+def test_with_more_sides_every_two_sides_swap_order_each_pair():
+    log: list[str] = []
+    names = ["tuned", "default", "torch", "ort"]
+    cmp = compare({n: Fake(n, [1.0] * 6, log) for n in names}, pairs=6)
+    assert log[:8] == names + names[::-1]
+    for a in names:
+        for b in names:
+            if a < b:
+                first = [p.order.index(a) < p.order.index(b) for p in cmp.pairs]
+                assert first.count(True) == first.count(False) == 3
+
+
+def test_ratio_of_medians_and_median_of_ratios():
+    log: list[str] = []
+    ours = [5.0, 5.0, 10.0]          # medians: ours 5, lib 20
+    lib = [10.0, 20.0, 30.0]         # per-pair lib/ours: 2, 4, 3
+    cmp = compare({"ours": Fake("ours", ours, log), "lib": Fake("lib", lib, log)}, pairs=3)
+    assert cmp.median_ms("ours") == 5.0 and cmp.median_ms("lib") == 20.0
+    r = cmp.ratio("lib", "ours")
+    assert r.median_of_ratios == pytest.approx(3.0)
+    assert r.ratio_of_medians == pytest.approx(4.0)
+    f = cmp.fields("ours", ["lib"])
+    assert f["ours_ms"] == 5.0 and f["lib_ms"] == 20.0
+    assert f["ours_vs_lib"] == pytest.approx(4.0) and f["ours_vs_lib_pairwise"] == pytest.approx(3.0)
+    assert f["ours_vs_lib"] == pytest.approx(f["lib_ms"] / f["ours_ms"])     # recomputable from the ms
+    assert f["pairs"] == 3 and f["failed_pairs"] == 0 and f["pair_errors"] == []
+
+
+def test_failed_pairs_are_counted_and_left_out_of_every_median():
+    log: list[str] = []
+    # pair 0: ok; pair 1 (lib first): ours NaN; pair 2: ours raises, lib not timed; pair 3 (lib first):
+    # lib returns 0; pair 4: ok
+    ours = Fake("ours", [4.0, float("nan"), RuntimeError("wrong answer"), 8.0], log)
+    lib = Fake("lib", [8.0, 1000.0, 0.0, 8.0], log)
+    cmp = compare({"ours": ours, "lib": lib}, pairs=5)
+    assert cmp.failed == 3 and len(cmp.ok) == 2
+    assert log == ["ours", "lib", "lib", "ours", "ours", "lib", "ours", "lib"]
+    assert any("wrong answer" in e for e in cmp.errors) and any("nan" in e for e in cmp.errors)
+    assert cmp.median_ms("ours") == 6.0 and cmp.median_ms("lib") == 8.0      # 1000 and 0 left out
+    r = cmp.ratio("lib", "ours")
+    assert r.median_of_ratios == pytest.approx(1.5) and r.ratio_of_medians == pytest.approx(8 / 6)
+    for v in cmp.fields("ours", ["lib"]).values():
+        assert not (isinstance(v, float) and math.isnan(v))
+    assert cmp.fields("ours", ["lib"])["failed_pairs"] == 3
+
+
+def test_all_pairs_failed_gives_no_figure_not_nan():
+    cmp = compare({"ours": lambda: float("nan"), "lib": lambda: 1.0}, pairs=2)
+    assert cmp.failed == 2
+    assert cmp.median_ms("ours") is None and cmp.ratio("lib", "ours") is None
+    f = cmp.fields("ours", ["lib"])
+    assert f["ours_ms"] is None and f["ours_vs_lib"] is None and f["ours_vs_lib_pairwise"] is None
+
+
+def test_measure_batches_last_at_least_the_minimum_and_take_the_median():
+    calls = []
+    # seconds per call: the warm-up, two calibration batches (1 call: 10 ms < 200; 23 calls, 1.1 x enough: 230 ms),
+    # then the three timed batches
+    per_call = iter([0.010, 0.010, 0.010, 0.012, 0.010, 0.011])
+    numbers = []
+
+    def clock(fn, number):
+        numbers.append(number)
+        for _ in range(number):
+            fn()
+        return number * next(per_call)
+
+    t = measure(lambda: calls.append(1), min_batch_ms=200, batches=3, clock=clock)
+    assert numbers == [1, 1, 23, 23, 23, 23]
+    assert t.number == 23 and t.batch_ms == pytest.approx([12.0, 10.0, 11.0])
+    assert all(b * t.number >= 200 for b in t.batch_ms)
+    assert t.ms == pytest.approx(11.0)            # the median batch
+    assert len(calls) == sum(numbers)
+
+
+def test_protocol_constants_are_shared_by_the_runner_timings():
+    src = (BENCH / "tune.py").read_text() + (BENCH / "codegen.py").read_text()
+    assert "TimingConfig(repeat=BATCHES, min_repeat_ms=MIN_BATCH_MS)" in src
+    assert common.PAIRS % 2 == 0          # each side first in half the pairs
+
+
+# ---------------------------------------------------------------------------------- wrong answers
+
+def test_a_failed_check_prints_failed_not_a_speedup():
+    from bench.network import printed
+    row = {"checked": {"tuned": False, "default": True}, "pairs": 6, "failed_pairs": 0,
+           "tuned_vs_torch": None, "tuned_vs_torch_pairwise": None, "tuned_vs_ort": None,
+           "tuned_vs_ort_pairwise": None, "default_vs_torch": 0.5, "default_vs_torch_pairwise": 0.6,
+           "default_vs_ort": 0.4, "default_vs_ort_pairwise": 0.45}
+    out = printed(row)
+    assert out["tuned_vs_torch"] == out["tuned_vs_ort_pairwise"] == "failed" and out["tuned_check"] == "FAILED"
+    assert out["default_vs_torch"] == "0.5x"
+    assert fmt_ratio(None) == "-" and fmt_ratio(2.0, failed=True) == "failed"
+
+
+def test_resnet50_total_leaves_out_rows_that_failed_verification():
+    from bench.tune_cuda import resnet50_total
+    rows = [{"task": "matmul 4096^3", "verified": True},
+            {"task": "r50.0", "layers": 2, "trials": 10, "tuned_ms": 1.0, "torch_ms": 2.0, "torch_eager_ms": 3.0,
+             "verified": True},
+            {"task": "r50.1", "layers": 1, "trials": 10, "tuned_ms": None, "torch_ms": 5.0, "torch_eager_ms": 6.0,
+             "verified": False},
+            {"task": "r50.2", "layers": 3, "trials": 10, "tuned_ms": 0.5, "torch_ms": 0.5, "torch_eager_ms": 1.0,
+             "verified": True}]
+    tot = resnet50_total(rows)
+    assert tot["layers"] == 5 and tot["tuned_ms"] == pytest.approx(3.5) and tot["torch_ms"] == pytest.approx(5.5)
+    assert tot["tuned/torch"] == pytest.approx(5.5 / 3.5)
+    assert tot["excluded_failed"] == ["r50.1"] and "2 of 3 verified" in tot["task"]
+    assert resnet50_total([rows[0], rows[2]]) is None
+
+
+# ---------------------------------------------------------------------------------- the ablation
+
+def test_ablation_random_model_evolves_as_many_generations_as_xgb():
+    from bench.tune import SameGenerationsRandomModel
+    from search.cost_model import XGBModel
+    model, xgb = SameGenerationsRandomModel(0), XGBModel()
+    assert model.num_warmup_sample == xgb.num_warmup_sample
+    assert model.is_random                          # warm-up rounds: 2 generations, as XGBModel's
+    model.update(None, [None] * (model.num_warmup_sample - 1), [])
+    assert model.is_random
+    model.update(None, [None], [])
+    assert not model.is_random                      # then SearchParams.num_iters, as a trained XGBModel
+
+
+def test_comparison_is_a_plain_record():
+    cmp = Comparison(("a", "b"))
+    assert cmp.failed == 0 and cmp.median_ms("a") is None
