@@ -1,12 +1,33 @@
 """Shared fixtures: small workloads of every op, and a helper that builds a state and checks it."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from codegen.llvm_backend import LLVMKernel, build
 from schedule.state import State
 from tasks.reference import evaluate, mismatch
+
+# Hypothesis: the default suite (and CI) draws the same examples every run, so a failure is reproducible
+# and never intermittent; `-m slow` (or HYPOTHESIS_PROFILE=wide) draws fresh random ones, five times as
+# many, to look for new failures.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("wide", derandomize=False, print_blob=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    markexpr = config.getoption("markexpr", "") or ""
+    wide = "slow" in markexpr and "not slow" not in markexpr
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "wide" if wide else "ci"))
+
+
+def examples(n: int) -> int:
+    """How many examples a property test draws: n in the default suite, 5n in the wide profile."""
+    return n * 5 if settings.default.derandomize is False else n
+
 
 # Small shapes of every op in the library (odd sizes on purpose: they exercise imperfect tiling).
 SMALL_WORKLOADS = {

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from schedule.stage import IllegalStep
 from schedule.state import State
 from tasks.workload_registry import make_dag
-from tests.conftest import check_state
+from tests.conftest import check_state, examples
 
 KINDS = ["split", "split", "reorder", "fuse", "annotate", "pragma", "cache_write", "compute_at", "inline",
          "rfactor"]
@@ -68,7 +68,7 @@ def _random_state(data, dag) -> State:
     return s
 
 
-SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS

@@ -11,7 +11,7 @@ from codegen.target import make_task
 from search.mutation import crossover, mutate_auto_unroll, mutate_compute_location, mutate_parallel, mutate_tile_size
 from search.sketch_policy import SearchParams, SketchPolicy
 from schedule.steps import SplitStep
-from tests.conftest import SMALL_WORKLOADS, check_state, small_dag
+from tests.conftest import SMALL_WORKLOADS, check_state, examples, small_dag
 
 _POLICIES: dict[str, SketchPolicy] = {}
 
@@ -23,7 +23,7 @@ def _policy(key: str) -> SketchPolicy:
 
 
 @pytest.mark.parametrize("key", sorted(SMALL_WORKLOADS))
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(3), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2 ** 30))
 def test_sampled_mutated_and_crossed_programs_are_correct(key, seed):
