@@ -16,9 +16,20 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from bench.common import (BATCHES, MIN_BATCH_MS, PAIRS, compare, ensure_clean_blas_env, environment, in_process,
-                          limit_threads, llvm_target, print_table, threads_used, write_json)
-
+from bench.common import (
+    BATCHES,
+    MIN_BATCH_MS,
+    PAIRS,
+    compare,
+    ensure_clean_blas_env,
+    environment,
+    in_process,
+    limit_threads,
+    llvm_target,
+    print_table,
+    threads_used,
+    write_json,
+)
 
 # (ib, jb, kb, ri, rj) of the hand-written matmul per float32 lanes of a hardware vector
 TILES_BY_LANES = {16: (128, 256, 64, 8, 32), 8: (128, 128, 128, 6, 16)}
@@ -76,8 +87,8 @@ def main(argv: list[str]) -> int:
 
 def run_all(args, torch) -> int:
     from codegen.measure import LocalBuilder, LocalRunner
-    from codegen.timing import TimingConfig
     from codegen.target import make_task
+    from codegen.timing import TimingConfig
     from schedule.state import State
     from tasks.workload_registry import make_dag
 

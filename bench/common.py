@@ -392,7 +392,8 @@ define void @peak_threads(i64 %iters, i32 %threads) #0 {
   call void @GOMP_parallel(ptr @peak_body, ptr %d, i32 %threads, i32 0)
   ret void
 }
-attributes #0 = { nounwind "target-cpu"="CPU" "target-features"="FEATURES" "prefer-vector-width"="BITS" "min-legal-vector-width"="BITS" }
+attributes #0 = { nounwind "target-cpu"="CPU" "target-features"="FEATURES" "prefer-vector-width"="BITS" \
+"min-legal-vector-width"="BITS" }
 """
 
 

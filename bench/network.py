@@ -22,8 +22,20 @@ import tempfile
 
 import numpy as np
 
-from bench.common import (PAIRS, Stopwatch, compare, ensure_clean_blas_env, environment, fmt_ratio, in_process,
-                          limit_threads, llvm_target, print_table, threads_used, write_json)
+from bench.common import (
+    PAIRS,
+    Stopwatch,
+    compare,
+    ensure_clean_blas_env,
+    environment,
+    fmt_ratio,
+    in_process,
+    limit_threads,
+    llvm_target,
+    print_table,
+    threads_used,
+    write_json,
+)
 
 NETWORK_OPTIONS = {
     "resnet-18": {"image_size": 224},

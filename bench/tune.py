@@ -17,9 +17,23 @@ import inspect
 import json
 import statistics
 
-from bench.common import (BATCHES, MIN_BATCH_MS, PAIRS, Stopwatch, compare, ensure_clean_blas_env, environment,
-                          in_process, limit_threads, llvm_target, print_table, read_json_rows, threads_used,
-                          torch_threads, write_json)
+from bench.common import (
+    BATCHES,
+    MIN_BATCH_MS,
+    PAIRS,
+    Stopwatch,
+    compare,
+    ensure_clean_blas_env,
+    environment,
+    in_process,
+    limit_threads,
+    llvm_target,
+    print_table,
+    read_json_rows,
+    threads_used,
+    torch_threads,
+    write_json,
+)
 from search.cost_model import RandomModel, XGBModel
 
 WORKLOADS = {
@@ -83,7 +97,8 @@ def run_one(key: str, trials: int, model: str, crossover: float, measurer, seed:
     res = tune_task(task, trials, measurer=measurer, model=cost_model, params=params, seed=seed,
                     progress=lambda log, r: print(f"  {key} [{model}, crossover {crossover}] round {log.round}: "
                                                   f"{log.trials} trials, best {log.best_gflops:.1f} GFLOP/s, "
-                                                  f"search {log.search_s + log.train_s:.1f}s measure {log.measure_s:.1f}s",
+                                                  f"search {log.search_s + log.train_s:.1f}s "
+                                                  f"measure {log.measure_s:.1f}s",
                                                   flush=True))
     wall = watch.elapsed
     per_round_overhead = [x.search_s + x.train_s for x in res.rounds]

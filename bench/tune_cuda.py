@@ -188,8 +188,8 @@ def main(argv: list[str]) -> int:
 
     from codegen.cuda_backend import device_target
     from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
-    from codegen.timing import TimingConfig
     from codegen.target import make_task
+    from codegen.timing import TimingConfig
     from codegen.worker_pool import WorkerPool
     from flows.tuning import tune_task
     from search.sketch_policy import SearchParams
@@ -206,7 +206,8 @@ def main(argv: list[str]) -> int:
     try:
         for item in items:
             task = make_task(make_dag(item["workload"], *item["args"]), target, name=item["label"])
-            measurer.runner.config = TimingConfig(min_repeat_ms=50, check_correctness=task.flops / 1e9 <= args.check_gflop)
+            measurer.runner.config = TimingConfig(min_repeat_ms=50,
+                                                  check_correctness=task.flops / 1e9 <= args.check_gflop)
             watch = Stopwatch()
             res = tune_task(task, args.trials, measurer=measurer, model=args.model, seed=args.seed,
                             params=SearchParams(num_measures_per_round=args.per_round),

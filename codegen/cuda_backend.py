@@ -25,8 +25,8 @@ import numpy as np
 
 from codegen.artifact import Artifact
 from codegen.cuda_codegen import CudaCodegenError, CudaModule, generate_cuda
-from codegen.lower import LoweringError, lower
 from codegen.gpu_device import device_hardware_params
+from codegen.lower import LoweringError, lower
 from codegen.target import Target, parse_target
 from codegen.timing import ErrorCode, load_reference, reference_file
 from schedule.state import State
@@ -64,7 +64,8 @@ def compile_cubin(source: str, arch: str = "sm_90", options: Sequence[str] = ())
         cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", *options, "-o", out, src]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise CudaCompileError(f"nvcc failed ({' '.join(cmd[1:-3])}):\n{proc.stderr.strip() or proc.stdout.strip()}")
+            output = proc.stderr.strip() or proc.stdout.strip()
+            raise CudaCompileError(f"nvcc failed ({' '.join(cmd[1:-3])}):\n{output}")
         with open(out, "rb") as f:
             return f.read()
 

@@ -14,8 +14,21 @@ import math
 import re
 from dataclasses import dataclass
 
-from codegen.ir import (Allocate, Barrier, Buffer, BufferLoad, For, IfThenElse, LoweredFunc, Seq, Stmt, Store, seq,
-                        uses, walk_stmts)
+from codegen.ir import (
+    Allocate,
+    Barrier,
+    Buffer,
+    BufferLoad,
+    For,
+    IfThenElse,
+    LoweredFunc,
+    Seq,
+    Stmt,
+    Store,
+    seq,
+    uses,
+    walk_stmts,
+)
 from codegen.lower import THREAD_ALLREDUCE
 from tasks import te
 from tasks.arith import const_bounds
@@ -321,7 +334,8 @@ class _Kernel:
     def allreduce(self, s: Store, d: int, divergent: bool) -> None:
         """All threads of the block combine their value; every thread gets the (same) result."""
         if divergent:
-            raise CudaCodegenError(f"{self.name}: a block-level reduction under a condition that differs between threads")
+            raise CudaCodegenError(f"{self.name}: a block-level reduction under a condition that differs "
+                                   "between threads")
         if self.block[1] != 1 or self.block[2] != 1:
             raise CudaCodegenError(f"{self.name}: a cross-thread reduction needs a one-dimensional thread block")
         call: te.Call = s.value

@@ -11,8 +11,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from codegen.ir import (Allocate, Barrier, BufferLoad, For, IfThenElse, LoweredFunc, Seq, Stmt,
-                        Store, stmt_exprs, uses)
+from codegen.ir import Allocate, Barrier, BufferLoad, For, IfThenElse, LoweredFunc, Seq, Stmt, Store, stmt_exprs, uses
 from tasks import te
 from tasks.arith import const_bounds
 from tasks.te import Expr, Var
@@ -142,7 +141,7 @@ class LLVMCodegen:
         # what the last parallel loop ran on, read back by the runner: a kernel that got fewer threads
         # than its target asks for is reported, not timed as if it were the configuration tuned for
         seen = f"@{f.name}_threads = global i32 0, align 4"
-        parts = [seen] + list(self.module.decls.values()) + [fn.text() for fn in self.module.functions] + [wrappers, attrs]
+        parts = [seen, *self.module.decls.values(), *(fn.text() for fn in self.module.functions), wrappers, attrs]
         return "\n".join(parts) + "\n"
 
     def _wrappers(self) -> str:

@@ -9,8 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from codegen.ir import (Allocate, Barrier, Buffer, BufferLoad, For, IfThenElse, LoweredFunc, Seq, Stmt, Store,
-                        dense_strides, seq, walk_stmts)
+from codegen.ir import (
+    Allocate,
+    Barrier,
+    Buffer,
+    BufferLoad,
+    For,
+    IfThenElse,
+    LoweredFunc,
+    Seq,
+    Stmt,
+    Store,
+    dense_strides,
+    seq,
+    walk_stmts,
+)
 from schedule.loop_structure import loop_structure
 from schedule.stage import GPU_BINDINGS, Stage
 from schedule.state import State

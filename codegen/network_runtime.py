@@ -1,7 +1,8 @@
 """Whole-network build and run: one kernel per extracted task, buffers planned once, end to end.
 
 Each unique task is compiled from its best record's steps, or from `default_schedule`
-(schedule.default_schedule) where it has none. At build time every value gets its storage: constants are used in place, reshapes are views,
+(schedule.default_schedule) where it has none. At build time every value gets its storage: constants
+are used in place, reshapes are views,
 and task outputs share a 64-byte aligned arena by liveness (a buffer is reused once its last reader
 has run; a kernel's output never shares memory with its own inputs). Every kernel call's argument
 pointers are packed once, so a network run is a loop of kernel calls with no allocation.

@@ -105,6 +105,7 @@ def reference_file(task: SearchTask, cache_dir: str | None = None) -> str:
     """Inputs and reference outputs of a task, computed once (outside any kernel's timeout) and kept
     on disk so every runner process loads them instead of recomputing."""
     import tempfile
+
     from tasks.reference import evaluate
     folder = cache_dir or os.path.join(tempfile.gettempdir(), "tensortune-reference")
     os.makedirs(folder, exist_ok=True)

@@ -12,8 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 from uuid import UUID
 
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                               update_progress_artifact)
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 from flows.tuned_network import GAP_WARNING, TunedNetworkTiming
 

@@ -16,8 +16,17 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.cli_app import app
-from flows.network_cli import (BatchOption, ImageSizeOption, InputShapeOption, LayersOption, NetworkArg,
-                               SeqLenOption, TargetOption, ThreadsOption, with_threads)
+from flows.network_cli import (
+    BatchOption,
+    ImageSizeOption,
+    InputShapeOption,
+    LayersOption,
+    NetworkArg,
+    SeqLenOption,
+    TargetOption,
+    ThreadsOption,
+    with_threads,
+)
 from flows.tuned_network import GAP_WARNING
 
 console = Console(width=max(120, Console().width))
@@ -41,7 +50,8 @@ def tune(network: NetworkArg,
          cluster: Annotated[Optional[str], typer.Option(
              "--cluster", envvar="TENSORTUNE_CLUSTER",
              help="Dask scheduler to join, e.g. tcp://host:8786 (default: a local cluster).")] = None,
-         target: TargetOption = "llvm", threads: ThreadsOption = None, batch: BatchOption = None, image_size: ImageSizeOption = None,
+         target: TargetOption = "llvm", threads: ThreadsOption = None, batch: BatchOption = None,
+         image_size: ImageSizeOption = None,
          seq_len: SeqLenOption = None, layers: LayersOption = None, input_shape: InputShapeOption = None,
          per_round: Annotated[int, typer.Option("--per-round", min=1, help="Measurements per round.")] = 64,
          retrain_every: Annotated[int, typer.Option("--retrain-every", min=1,
@@ -71,10 +81,10 @@ def tune(network: NetworkArg,
     """Tune a network as a Prefect flow with Dask-measured rounds, resuming from the record store."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from codegen.target import TargetError, parse_target
     from flows.dask_cluster import ClusterError
     from flows.prefect_server import PrefectServerError, ensure_server
     from flows.tune_flow import tune_network_flow
-    from codegen.target import TargetError, parse_target
     url = _records_url(records)
     from search.task_scheduler import network_objective
     try:                                      # bad input fails before anything starts

@@ -9,10 +9,10 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.cli_app import app
+from tasks.extract import ExtractError, NetworkTasks, extract_tasks
 from tasks.graph import Graph
 from tasks.graph_ops import GraphError
 from tasks.models import load_graph, network_names
-from tasks.extract import ExtractError, NetworkTasks, extract_tasks
 
 NetworkArg = Annotated[str, typer.Argument(
     help=f"A network ({', '.join(network_names())}) or the path of an .onnx model.")]

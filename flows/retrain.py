@@ -15,11 +15,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from schedule.stage import IllegalStep
+from schedule.state import State
 from search.candidate import Candidate
 from search.cost_model import CostModel, RandomModel, XGBModel
 from search.feature_pool import Featurizer
-from schedule.stage import IllegalStep
-from schedule.state import State
 from storage.models import ModelStore
 from storage.records import RecordStore
 from tasks.search_task import SearchTask

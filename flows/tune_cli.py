@@ -66,14 +66,15 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
             seed: int = typer.Option(0)) -> None:
     """Tune one operator and print the best program's schedule and loop nest."""
     from flows.tuning import tune_task
-    from search.sketch_policy import SearchParams
     from schedule.state import State
+    from search.sketch_policy import SearchParams
     from storage.records import RecordStore
     task = _task(op, args, target)
     store = RecordStore(records) if records else None
     console.print(f"tuning [bold]{task.name}[/bold] ({task.flops / 1e9:.3f} GFLOP) on {task.target}, "
                   f"{trials} trials, records: {records or 'none'}")
-    columns = [TextColumn("round {task.fields[round]}"), BarColumn(), TextColumn("{task.completed}/{task.total} trials"),
+    columns = [TextColumn("round {task.fields[round]}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total} trials"),
                TextColumn("best {task.fields[best]:.1f} GFLOP/s"), TextColumn("{task.fields[model]}"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     start = time.time()

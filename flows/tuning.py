@@ -13,11 +13,11 @@ from typing import Callable
 
 from codegen.measure import MeasureResult, ProgramMeasurer
 from codegen.target import make_task
+from schedule.stage import IllegalStep
+from schedule.state import State
 from search.candidate import Candidate
 from search.cost_model import CostModel, RandomModel, XGBModel
 from search.sketch_policy import SearchParams, SketchPolicy
-from schedule.stage import IllegalStep
-from schedule.state import State
 from storage.records import MeasureRecord, RecordStore
 from tasks.extract import NetworkTasks, extract_tasks
 from tasks.graph import Graph
@@ -324,7 +324,8 @@ def apply_best(task: SearchTask, source: TuneResult | RecordStore):
         raise LookupError(f"no successful measurement of {task} yet; tune it first")
     state = State.from_json(task.dag, steps)
     if task.target_kind == "cuda":
-        from codegen.cuda_backend import CUDAKernel, build as build_cuda
+        from codegen.cuda_backend import CUDAKernel
+        from codegen.cuda_backend import build as build_cuda
         return CUDAKernel(build_cuda(state, task.target, hardware=task.hardware))
     from codegen.llvm_backend import LLVMKernel, build
     return LLVMKernel(build(state, task.target))

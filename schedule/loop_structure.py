@@ -9,6 +9,7 @@ from schedule.stage import Split, Stage
 from tasks import te
 from tasks.te import Var
 
+
 @dataclass
 class LoopStructure:
     """Loop extents and root-axis values of a stage for given root extents (its inferred region)."""

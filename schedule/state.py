@@ -11,12 +11,30 @@ import json
 from typing import Callable, Iterable, Sequence
 
 from schedule.stage import GPU_BINDINGS, IllegalStep, Stage, initial_stages
-from schedule.steps import (AnnotationStep, CacheReadStep, CacheWriteStep, ComputeAtStep, ComputeInlineStep,
-                            ComputeRootStep, FollowFusedSplitStep, FollowSplitStep, FuseStep, PragmaStep, ReorderStep,
-                            RfactorStep, SplitStep, Step, StorageAlignStep, check_iter, check_stage, step_from_json)
+from schedule.steps import (
+    AnnotationStep,
+    CacheReadStep,
+    CacheWriteStep,
+    ComputeAtStep,
+    ComputeInlineStep,
+    ComputeRootStep,
+    FollowFusedSplitStep,
+    FollowSplitStep,
+    FuseStep,
+    PragmaStep,
+    ReorderStep,
+    RfactorStep,
+    SplitStep,
+    Step,
+    StorageAlignStep,
+    check_iter,
+    check_stage,
+    step_from_json,
+)
 from tasks import te
 from tasks.compute_dag import AccessAnalysis, ComputeDAG
 from tasks.te import Load, Tensor
+
 
 class State:
     """Stages + the steps that made them from the DAG."""

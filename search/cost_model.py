@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schedule.state import State
 from search.feature import N_FEATURES
 from search.feature_pool import Featurizer
-from schedule.state import State
 from tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")

@@ -25,9 +25,9 @@ from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 
 import numpy as np
 
+from schedule.state import State
 from search.feature import FeatureExtractor
 from search.memory import paused_gc
-from schedule.state import State
 from tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")

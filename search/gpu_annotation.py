@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 import random
 
+from schedule.stage import Split, Stage
+from schedule.state import State
 from search import utils
 from search.annotation import AUTO_UNROLL_GPU, InvalidSample, change_compute_location, fill_tile_sizes
 from search.sketch_rules import Sketch, has_cross_thread_reduction
-from schedule.stage import Split, Stage
-from schedule.state import State
 from tasks import te
 from tasks.arith import const_bounds
 from tasks.search_task import HardwareParams, SearchTask

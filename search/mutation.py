@@ -9,12 +9,23 @@ from __future__ import annotations
 import random
 from dataclasses import replace as dc_replace
 
+from schedule.stage import IllegalStep
+from schedule.state import State
+from schedule.steps import (
+    AnnotationStep,
+    CacheReadStep,
+    CacheWriteStep,
+    ComputeAtStep,
+    ComputeInlineStep,
+    ComputeRootStep,
+    FuseStep,
+    PragmaStep,
+    RfactorStep,
+    SplitStep,
+)
 from search import utils
 from search.annotation import AUTO_UNROLL_CPU, AUTO_UNROLL_GPU
 from search.candidate import Candidate
-from schedule.stage import IllegalStep
-from schedule.state import State
-from schedule.steps import AnnotationStep, CacheReadStep, CacheWriteStep, ComputeAtStep, ComputeInlineStep, ComputeRootStep, FuseStep, PragmaStep, RfactorStep, SplitStep
 
 
 def mutate_tile_size(c: Candidate, rng: random.Random, max_innermost: int) -> Candidate | None:
@@ -51,7 +62,8 @@ def mutate_tile_size(c: Candidate, rng: random.Random, max_innermost: int) -> Ca
         new[dst] *= f
         steps = list(c.steps)
         steps[i] = dc_replace(st, lengths=tuple(new[1:]))
-        return c.with_steps(tuple(steps), same_structure=not (i + 1 < len(steps) and isinstance(steps[i + 1], RfactorStep)))
+        rfactor_next = i + 1 < len(steps) and isinstance(steps[i + 1], RfactorStep)
+        return c.with_steps(tuple(steps), same_structure=not rfactor_next)
     return None
 
 
@@ -62,7 +74,8 @@ def mutate_auto_unroll(c: Candidate, rng: random.Random, gpu: bool = False) -> C
         return None
     i = rng.choice(ids)
     steps = list(c.steps)
-    steps[i] = dc_replace(steps[i], pragma=f"auto_unroll_max_step${rng.choice(AUTO_UNROLL_GPU if gpu else AUTO_UNROLL_CPU)}")
+    step = rng.choice(AUTO_UNROLL_GPU if gpu else AUTO_UNROLL_CPU)
+    steps[i] = dc_replace(steps[i], pragma=f"auto_unroll_max_step${step}")
     return c.with_steps(tuple(steps), same_structure=True)
 
 

@@ -15,15 +15,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from schedule.stage import IllegalStep
+from schedule.state import State
 from search.annotation import InvalidSample, sample_state
 from search.candidate import Candidate, StepsKey
 from search.cost_model import CostModel, RandomModel
 from search.memory import paused_gc
-from search.mutation import (crossover, mutate_auto_unroll, mutate_compute_location, mutate_parallel,
-                             mutate_tile_size)
+from search.mutation import crossover, mutate_auto_unroll, mutate_compute_location, mutate_parallel, mutate_tile_size
 from search.sketch_rules import Sketch, SketchContext, SketchRule, generate_sketches
-from schedule.stage import IllegalStep
-from schedule.state import State
 from tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")

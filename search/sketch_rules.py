@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from search import utils
 from schedule.state import State
 from schedule.steps import RfactorStep, SplitStep
+from search import utils
 from tasks.search_task import SearchTask
 
 

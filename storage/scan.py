@@ -2,7 +2,8 @@
 
 Files are immutable once visible, so a snapshot is a listing minus the inputs of compactions whose
 output is already there; a listing that overlapped a compaction and missed rows is taken again (see
-storage.journal). A file that vanishes mid-scan (a compaction finished) means: list again and retry. Every scan also reads `schema_version`, which every record file has: a row where it is null came
+storage.journal). A file that vanishes mid-scan (a compaction finished) means: list again and retry.
+Every scan also reads `schema_version`, which every record file has: a row where it is null came
 from a Parquet file that is not ours, and is reported rather than dropped.
 """
 from __future__ import annotations

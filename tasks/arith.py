@@ -195,7 +195,8 @@ def symbolic_bounds(e: Expr, ranging: Mapping[te.Var, Range]) -> tuple[Affine, A
         if isinstance(atom, te.Var):
             if atom in ranging:
                 rl, rh = ranging[atom]
-                lo, hi = lo + Affine(const=coef * (rl if coef > 0 else rh)), hi + Affine(const=coef * (rh if coef > 0 else rl))
+                lo = lo + Affine(const=coef * (rl if coef > 0 else rh))
+                hi = hi + Affine(const=coef * (rh if coef > 0 else rl))
             else:
                 lo, hi = lo + Affine.atom(atom).scale(coef), hi + Affine.atom(atom).scale(coef)
             continue

@@ -30,7 +30,7 @@ def _onnx():
     return onnx
 
 
-def load_model(source) -> "onnx.ModelProto":
+def load_model(source) -> "onnx.ModelProto":  # noqa: F821 - onnx is imported lazily (_onnx)
     """Load and check a model from a path, bytes or a ModelProto; malformed input fails clearly."""
     onnx = _onnx()
     if isinstance(source, onnx.ModelProto):

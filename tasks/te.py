@@ -218,14 +218,13 @@ def _unify(a, b) -> tuple[Expr, Expr]:
 
 
 def _fold(op: str, x, y):
-    if op == "add": return x + y
-    if op == "sub": return x - y
-    if op == "mul": return x * y
-    if op == "floordiv": return x // y
-    if op == "floormod": return x % y
-    if op == "min": return builtins.min(x, y)
-    if op == "max": return builtins.max(x, y)
-    return None
+    fold = _FOLDS.get(op)
+    return fold(x, y) if fold is not None else None
+
+
+_FOLDS = {"add": lambda x, y: x + y, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y,
+          "floordiv": lambda x, y: x // y, "floormod": lambda x, y: x % y,
+          "min": lambda x, y: builtins.min(x, y), "max": lambda x, y: builtins.max(x, y)}
 
 
 def binary(op: str, a, b) -> Expr:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
-from codegen.timing import TimingConfig
 from codegen.target import make_task
+from codegen.timing import TimingConfig
 from search.cost_model import RandomModel, XGBModel, pack_sum, pairwise_accuracy, recall_at_k
 from search.feature import N_FEATURES, FeatureExtractor, FeatureTemplate, feature_names, state_numbers
 from search.sketch_policy import SearchParams, SketchPolicy

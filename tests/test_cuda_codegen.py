@@ -12,11 +12,11 @@ import pytest
 from codegen.cuda_backend import build, check_limits, compile_cubin, find_nvcc, generate
 from codegen.lower import LoweringError
 from codegen.target import make_task
+from schedule.stage import IllegalStep
+from schedule.state import State
 from search.annotation import InvalidSample
 from search.gpu_annotation import check_gpu_limits, sample_gpu_state
 from search.sketch_rules import SketchContext, generate_sketches
-from schedule.stage import IllegalStep
-from schedule.state import State
 from tasks.search_task import SearchTask
 from tasks.workload_registry import make_dag
 from tests.conftest import SMALL_WORKLOADS, small_dag

@@ -26,7 +26,7 @@ def load(name: str) -> dict:
 
 
 def test_prefect_yaml_is_valid_and_its_entrypoints_and_parameters_load():
-    from prefect.cli.deploy._models import PrefectYamlModel     # what `prefect deploy` validates with
+    from prefect.cli.deploy._models import PrefectYamlModel  # what `prefect deploy` validates with
     from prefect.flows import load_flow_from_entrypoint
     raw = load("prefect.yaml")
     project = PrefectYamlModel.model_validate(raw)
@@ -86,8 +86,8 @@ def _dask_args(command: str, scheduler: str, port: int) -> list[str]:
 def test_the_compose_cluster_specs_start_a_real_cluster_that_measures(tmp_path):
     from distributed import Client
 
-    from codegen.timing import TimingConfig
     from codegen.target import make_task
+    from codegen.timing import TimingConfig
     from flows.dask_cluster import workers_with
     from flows.dask_measure import DaskMeasurer
     from schedule.state import State

@@ -16,12 +16,12 @@ import pytest
 from distributed import Client, LocalCluster, get_task_stream
 
 from codegen.measure import BuildResult, LocalBuilder
-from codegen.timing import ErrorCode, TimingConfig
 from codegen.target import make_task
+from codegen.timing import ErrorCode, TimingConfig
 from flows.dask_cluster import ClusterError, connect, dask_client, local_resources, workers_with
 from flows.dask_measure import DaskMeasurer
-from search.sketch_policy import SearchParams, SketchPolicy
 from schedule.state import State
+from search.sketch_policy import SearchParams, SketchPolicy
 from tasks.workload_registry import make_dag
 from tests.test_measure import SEGFAULT, _artifact
 

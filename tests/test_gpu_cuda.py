@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 
 from codegen.artifact import Artifact
+from codegen.cuda_backend import CUDAKernel, build, compile_cubin, device_target, generate, gpu_available, run_artifact
 from codegen.gpu_device import device_hardware_params
-from codegen.cuda_backend import (CUDAKernel, build, compile_cubin, device_target,
-                                  generate, gpu_available, run_artifact)
-from codegen.timing import ErrorCode, TimingConfig
 from codegen.target import make_task
+from codegen.timing import ErrorCode, TimingConfig
+from schedule.state import State
 from search.gpu_annotation import sample_gpu_state
 from search.sketch_rules import SketchContext, generate_sketches
-from schedule.state import State
 from tasks.reference import evaluate, mismatch
 from tasks.workload_registry import make_dag
 from tests.conftest import SMALL_WORKLOADS

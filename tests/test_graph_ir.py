@@ -41,7 +41,8 @@ def _conv_loops(x, w, stride, pads, dil, groups):
     return out
 
 
-@pytest.mark.parametrize("groups,stride,pads,dil", [(1, (1, 1), (1, 1, 1, 1), (1, 1)), (2, (2, 1), (0, 1, 2, 0), (1, 2)),
+@pytest.mark.parametrize("groups,stride,pads,dil", [(1, (1, 1), (1, 1, 1, 1), (1, 1)),
+                                                    (2, (2, 1), (0, 1, 2, 0), (1, 2)),
                                                     (4, (1, 2), (2, 2, 2, 2), (2, 1))])
 def test_conv2d_reference_matches_the_definition(groups, stride, pads, dil):
     rng = np.random.default_rng(0)

@@ -2,7 +2,6 @@
 reused safely, best records are applied (and bad ones fall back), and the CLI commands work."""
 from __future__ import annotations
 
-
 import json
 import math
 import re
@@ -12,11 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from codegen.network_runtime import build_network
-from schedule.default_schedule import default_schedule
 from codegen.target import parse_target
 from flows import network_cli
 from flows.cli import app
 from flows.tuned_network import best_records, measure_tuned_network, tuned_target
+from schedule.default_schedule import default_schedule
 from storage.records import RecordStore
 from storage.schema import MeasureRecord
 from tasks.extract import extract_tasks
@@ -164,7 +163,8 @@ def test_cli_run_network_onnx(tmp_path):
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
     node = helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1])
     relu = helper.make_node("Relu", ["c"], ["y"])
-    graph = helper.make_graph([node, relu], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
+    graph = helper.make_graph([node, relu], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, 8, 8])], [w])
     path = tmp_path / "conv.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))

@@ -55,8 +55,8 @@ def cnn_model() -> onnx.ModelProto:
         n("Gemm", ["flat", "wfc", "bfc"], ["fc"], transB=1, alpha=0.5),
         n("Softmax", ["fc"], ["y"], axis=-1),
     ]
-    inits = [_init("w1", 8, 3, 3, 3), _init("b1", 8), numpy_helper.from_array(RNG.uniform(0.5, 1.5, 8).astype(np.float32),
-                                                                              "g"),
+    inits = [_init("w1", 8, 3, 3, 3), _init("b1", 8),
+             numpy_helper.from_array(RNG.uniform(0.5, 1.5, 8).astype(np.float32), "g"),
              _init("beta", 8), _init("mean", 8), numpy_helper.from_array(RNG.uniform(0.5, 1.5, 8).astype(np.float32),
                                                                          "var"),
              _init("w2", 8, 4, 3, 3), _const("s_start", [0]), _const("s_end", [5]), _const("s_axes", [3]),
@@ -247,7 +247,8 @@ def test_unsupported_forms_fail_clearly():
 def test_custom_domain_and_invalid_models():
     node = helper.make_node("FusedGemm", ["x"], ["y"], domain="com.microsoft", name="fg")
     graph = helper.make_graph([node], "bad", [_vi("x", [2, 2])], [_vi("y", [2, 2])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     with pytest.raises(OnnxImportError, match=r"node fg \(FusedGemm\): unsupported op com\.microsoft\.FusedGemm"):
         import_onnx(model)
     undefined = _one_node(helper.make_node("Relu", ["nowhere"], ["y"]), [_vi("x", [2])], [_vi("y", [2])])
@@ -258,7 +259,7 @@ def test_custom_domain_and_invalid_models():
 # ------------------------------------------------------------------------------------ PyTorch exports
 
 def _torch_models():
-    import torch          # in the test extra: these checks against an independent framework must run, not skip
+    import torch  # in the test extra: these checks against an independent framework must run, not skip
     nn = torch.nn
 
     class Block(nn.Module):
@@ -297,7 +298,8 @@ def _torch_models():
     gen = nn.Sequential(nn.ConvTranspose2d(16, 32, 4, 1, 0, bias=False), nn.BatchNorm2d(32), nn.ReLU(True),
                         nn.ConvTranspose2d(32, 3, 4, 2, 1, bias=False), nn.Tanh())
     torch.manual_seed(0)
-    return torch, {"resnet": (TinyResNet(), torch.randn(2, 3, 32, 32)), "mobilenet": (mobile, torch.randn(1, 4, 16, 16)),
+    return torch, {"resnet": (TinyResNet(), torch.randn(2, 3, 32, 32)),
+                   "mobilenet": (mobile, torch.randn(1, 4, 16, 16)),
                    "dcgan": (gen, torch.randn(2, 16, 1, 1)), "bert": (TinyBert(), torch.randint(0, 50, (2, 8)))}
 
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from codegen.target import make_task
-from search.sketch_rules import Condition, CustomRule, SketchContext, generate_sketches, register_sketch_rule
 from schedule.steps import CacheWriteStep, ComputeAtStep, ComputeInlineStep, RfactorStep, SplitStep
+from search.sketch_rules import Condition, CustomRule, SketchContext, generate_sketches, register_sketch_rule
 from tasks.workload_registry import make_dag
 
 

@@ -6,8 +6,7 @@ import math
 import pytest
 
 from codegen.target import make_task
-from search.task_scheduler import (INF_COST, TaskScheduler, geomean_speedup, latency_requirements,
-                                   similarity_tag)
+from search.task_scheduler import TaskScheduler, geomean_speedup, latency_requirements, similarity_tag
 from tasks.workload_registry import make_dag
 
 

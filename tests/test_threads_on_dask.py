@@ -17,8 +17,8 @@ import pytest
 from distributed import Client, LocalCluster
 
 from codegen.measure import LocalRunner, ProgramMeasurer
-from codegen.timing import TimingConfig
 from codegen.target import default_threads, make_task
+from codegen.timing import TimingConfig
 from flows.dask_cluster import CPU_RESOURCE, workers_with
 from flows.dask_measure import DaskMeasurer
 from tasks.workload_registry import make_dag

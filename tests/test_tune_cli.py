@@ -16,7 +16,6 @@ from tasks.reference import evaluate, mismatch
 from tasks.workload_registry import make_dag
 
 
-
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     records = str(tmp_path_factory.mktemp("cli") / "records")

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
-from codegen.timing import ErrorCode, TimingConfig
 from codegen.target import make_task
+from codegen.timing import ErrorCode, TimingConfig
 from flows.tuning import apply_best, propose, run_round, tune_task
+from schedule.state import State
 from search.cost_model import XGBModel
 from search.sketch_policy import SearchParams, SketchPolicy
-from schedule.state import State
 from storage.records import RecordStore
 from tasks.reference import evaluate, mismatch
 from tasks.workload_registry import make_dag
