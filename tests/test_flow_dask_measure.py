@@ -157,7 +157,11 @@ def kill_a_timing_worker(client: Client, pids: dict[str, int], timeout: float = 
 def test_a_worker_killed_mid_round_costs_retries_not_records(cluster, task):
     steps = programs(task, 10, seed=3)
     pids = cluster.run(os.getpid)
-    measurer = DaskMeasurer(cluster, timing=TimingConfig(min_repeat_ms=150, repeat=1))
+    # a retried timing lands on the nanny's new worker, whose runner process starts (a fresh interpreter
+    # importing llvmlite) inside the job's timeout: on a loaded 2-core machine that once took past the
+    # default 10 s, so the timeouts here are ones no start-up reaches; what is checked is the retry
+    measurer = DaskMeasurer(cluster, timing=TimingConfig(min_repeat_ms=150, repeat=1), build_timeout=120,
+                            run_timeout=120)
     out: dict = {}
     thread = threading.Thread(target=lambda: out.setdefault("results", measurer.measure(task, steps)))
     thread.start()
