@@ -8,8 +8,14 @@ that structure. Region sizes of stages computed inside other stages are inferred
 
 Deviations from feature.cc, on purpose: index coefficients are exact linear coefficients (not the
 pattern-matched approximation), `lines` divides by the extents of the loops it skipped (feature.cc
-divides by the innermost extent each time), and serial read-write reuse between an init and an update
-statement is not modelled.
+divides by the innermost extent each time), serial read-write reuse between an init and an update
+statement is not modelled, and an attached stage's loops over a region of extent 1 are kept (TVM's
+lowering drops them, so num_loops differs there).
+
+A stage computed inside another one reads at the place its region starts, an expression of the
+enclosing loops (its readers' indices with their inner loops at 0), and its own buffer is indexed
+relative to that place, as in TVM's lowered code: so its operands' reuse and unique bytes follow the
+enclosing loops, and its readers see a buffer the size of the region.
 """
 from __future__ import annotations
 
@@ -105,19 +111,22 @@ class _Linear:
 
 class _FreeVars:
     """te.free_vars, memoised by node: `_linear` asks about every subtree of every index, and index
-    trees share subtrees, so walking each anew was quadratic (a third of building a template)."""
+    trees share subtrees, so walking each anew was quadratic (a third of building a template).
+    The memo holds each node it keys by id: a freed temporary's id can be reused by a new node, which
+    would then get the old node's variables."""
 
     def __init__(self):
-        self.memo: dict[int, frozenset] = {}
+        self.memo: dict[int, tuple[Expr, frozenset]] = {}
 
     def __call__(self, e: Expr) -> frozenset:
-        found = self.memo.get(id(e))
-        if found is None:
-            if isinstance(e, Var):
-                found = frozenset((e,))
-            else:
-                found = frozenset().union(*(self(k) for k in te.children(e)))
-            self.memo[id(e)] = found
+        hit = self.memo.get(id(e))
+        if hit is not None:
+            return hit[1]
+        if isinstance(e, Var):
+            found = frozenset((e,))
+        else:
+            found = frozenset().union(*(self(k) for k in te.children(e)))
+        self.memo[id(e)] = (e, found)
         return found
 
 
@@ -404,6 +413,21 @@ def _loop_nest(name: str, by_name: dict, pragma_sym: dict, nests: dict, enclosin
     return nests[name]
 
 
+def _region_base(name: str, nests: dict, enclosing: dict, loads: dict, order: list) -> list | None:
+    """Where the region of attached stage `name` starts, per dimension, as an expression of its
+    enclosing loops: the first reader's index with the reader's loops inside the attach point at 0.
+    None when no reader shares those enclosing loops (the region is then taken to start at 0)."""
+    start = enclosing[name]
+    outer = [v for v, _, _ in nests[name][:start]]
+    for reader in order:
+        idx_list = loads.get(reader, {}).get(name) if reader != name else None
+        if not idx_list or [v for v, _, _ in nests[reader][:start]] != outer:
+            continue
+        inner = {v: te.const(0) for v, _, _ in nests[reader][start:]}
+        return [te.substitute(i, inner) for i in idx_list[0]]
+    return None
+
+
 class FeatureTemplate:
     """Features of every state with one structure, as a function of its open numbers."""
 
@@ -453,30 +477,50 @@ class FeatureTemplate:
             for it in st.iters:
                 self.ext[it.var] = ls.extents[it.var]
             values[name] = ls.values
-        self.stores: list[_Store] = []
-        free_vars = _FreeVars()
+        # Loads in global coordinates, consumers first: a stage computed inside another one runs once per
+        # iteration of its enclosing loops, on the region its readers need there, so its own loop values
+        # are offset by where that region starts (the readers' indices with their inner loops at 0).
         for name in self.stage_names:
+            _loop_nest(name, by_name, pragma_sym, nests, enclosing)
+        global_vals: dict[str, dict] = {}
+        loads: dict[str, dict[str, list]] = {}
+        for name in reversed(self.stage_names):
             st = by_name[name]
-            loops = _loop_nest(name, by_name, pragma_sym, nests, enclosing)
-            loop_vars = {v for v, _, _ in loops}
             vals = values[name]
+            if name in self.region_syms:
+                base = _region_base(name, nests, enclosing, loads, self.stage_names)
+                if base is not None:
+                    vals = {**vals, **{a: te.binary("add", b, vals[a]) for a, b in zip(st.op.axes, base)}}
+            global_vals[name] = vals
             body = bodies[name]
-            src = body.source if isinstance(body, te.Reduce) else body
-            src = te.substitute(src, vals)
+            src = te.substitute(body.source if isinstance(body, te.Reduce) else body, vals)
             reads: dict[str, list] = {}
             for n in te.walk(src):
                 if isinstance(n, te.Load):
                     reads.setdefault(n.tensor.name, []).append(n.indices)
+            loads[name] = reads
+        self.stores: list[_Store] = []
+        free_vars = _FreeVars()
+        for name in self.stage_names:
+            st = by_name[name]
+            loops = nests[name]
+            loop_vars = {v for v, _, _ in loops}
+            body = bodies[name]
+            src = te.substitute(body.source if isinstance(body, te.Reduce) else body, global_vals[name])
             accesses = []
-            out_idx = [vals[a] for a in st.op.axes]
+            # the stage's own buffer is indexed relative to its region (values[name]: local coordinates)
+            out_idx = [values[name][a] for a in st.op.axes]
             is_update = isinstance(body, te.Reduce)
             accesses.append(_Access(name, [_linear(i, loop_vars, free_vars) for i in out_idx], 2 if is_update else 1,
                                     _BYTES[st.op.dtype]))
-            for buf, idx_list in reads.items():
+            for buf, idx_list in loads[name].items():
                 if buf == name:
                     continue
                 dtype = by_name[buf].op.dtype if buf in by_name else "float32"
                 idx = idx_list[0]
+                if buf in self.region_syms:       # a region buffer: its enclosing loops only move the region
+                    fixed = {v: te.const(0) for v, _, _ in nests[buf][:enclosing[buf]]}
+                    idx = [te.substitute(i, fixed) for i in idx]
                 accesses.append(_Access(buf, [_linear(i, loop_vars, free_vars) for i in idx], 0, _BYTES[dtype]))
             ops = _count_ops(src)
             if is_update:

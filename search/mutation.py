@@ -176,13 +176,28 @@ def _annotation_phases(steps: tuple, n_sketch: int) -> list[tuple[int, object]]:
     return out
 
 
+def _steps_by_stage(steps: tuple) -> dict:
+    """Each stage's steps, in program order (steps that name no stage are left out)."""
+    out: dict = {}
+    for st in steps:
+        sid = getattr(st, "stage_id", None)
+        if sid is not None:
+            out.setdefault(sid, []).append(st)
+    return out
+
+
 def crossover(a: Candidate, b: Candidate, n_sketch: int, rng: random.Random) -> Candidate | None:
     """Node-based crossover (Ansor §5.1): each stage takes its tile sizes and annotations from one
-    parent; the merged step list is replayed and kept only if valid. Parents must share a sketch."""
+    parent; the merged step list is replayed and kept only if valid. Parents must share a sketch.
+
+    Only stages whose steps differ between the parents are drawn, and each parent must give one: a
+    child whose differing stages all came from one parent would be that parent with its steps in
+    another order, a new key for an old program (a third of the children of some workloads)."""
     if a.sketch != b.sketch or a.sketch < 0:
         return None
-    stages = {getattr(st, "stage_id", None) for st in a.steps + b.steps} - {None}
-    pick = {s: rng.random() < 0.5 for s in stages}          # True: from b
+    by_a, by_b = _steps_by_stage(a.steps), _steps_by_stage(b.steps)
+    stages = sorted(s for s in by_a.keys() | by_b.keys() if by_a.get(s) != by_b.get(s))
+    pick = {s: rng.random() < 0.5 for s in stages}          # True: from b; the others are alike
     if all(pick.values()) or not any(pick.values()):
         return None
     steps = []

@@ -29,6 +29,16 @@ def examples(n: int) -> int:
     return n * 5 if settings.default.derandomize is False else n
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Under the wide profile the property tests count as slow, so `-m slow` runs them (unmarked, they
+    were deselected by it, and the wide profile never drew an example)."""
+    if settings.get_current_profile_name() == "wide":
+        for item in items:
+            if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+                item.add_marker(pytest.mark.slow)
+
+
 # Small shapes of every op in the library (odd sizes on purpose: they exercise imperfect tiling).
 SMALL_WORKLOADS = {
     "matmul": (33, 20, 17),

@@ -51,8 +51,19 @@ def test_sampled_mutated_and_crossed_programs_are_correct(key, seed):
         check_state(c.state, seed=seed % 1000)
 
 
+def _steps_by_stage(c) -> dict[int, list]:
+    """A program's steps grouped by the stage they transform, each group in program order."""
+    out: dict[int, list] = {}
+    for st in c.steps:
+        out.setdefault(st.stage_id, []).append(st)
+    return out
+
+
 @pytest.mark.parametrize("key", ["matmul_bias_relu", "conv2d_relu", "softmax"])
-def test_crossover_takes_each_stage_from_one_parent(key):
+def test_crossover_child_takes_each_stage_whole_from_one_parent(key):
+    """Node-based crossover (Ansor 5.1): each stage of the child is one parent's stage, all of it (its
+    tile sizes, compute location, fusion, parallel, vectorize and unroll steps, in that parent's
+    order), and the child mixes the parents: stages where they differ come from both."""
     pol = _policy(key)
     pol.rng = random.Random(1)
     rng = random.Random(1)
@@ -67,10 +78,13 @@ def test_crossover_takes_each_stage_from_one_parent(key):
                     made.append((a, b, child))
     assert made, f"{key}: crossover never produced a new program"
     for a, b, child in made:
-        splits = lambda c: {(st.stage_id, st.iter_id): st.lengths for st in c.steps  # noqa: E731
-                            if isinstance(st, SplitStep)}
-        ca, cb, cc = splits(a), splits(b), splits(child)
-        assert all(cc[k] in (ca.get(k), cb.get(k)) for k in cc)   # every tile from one of the parents
+        sa, sb, sc = _steps_by_stage(a), _steps_by_stage(b), _steps_by_stage(child)
+        assert set(sc) == set(sa) | set(sb)
+        for stage, steps in sc.items():
+            assert steps in (sa.get(stage), sb.get(stage)), \
+                f"{key}: stage {stage} of the child is neither parent's:\n{steps}\n{sa.get(stage)}\n{sb.get(stage)}"
+        differ = [s for s in sc if sa.get(s) != sb.get(s)]
+        assert any(sc[s] == sa.get(s) for s in differ) and any(sc[s] == sb.get(s) for s in differ)
         check_state(child.state)
 
 

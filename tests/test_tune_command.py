@@ -1,0 +1,131 @@
+"""The README's main command as a user runs it, on the smallest built-in network: `tensortune tune
+resnet-18 --image-size 32` starts its own Prefect server and LocalCluster, tunes every task, builds and
+checks the network from its best records, prints the per-task table, the estimate, the records path and
+the run's page, and keeps the server for the UI. Checked against what it wrote: the records, and the
+flow run read back from the server it started."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.prefect_server import PrefectServer, api_healthy
+from flows.tuning import default_seeds, network_tasks
+from storage.records import RecordStore
+from tests.test_flow_tune import read_back
+
+BIN = Path(sys.executable).parent
+TRIALS = 36                 # resnet-18 has 18 tasks: each gets its default schedule and one sampled program
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The command's exit code, output, records path and server; the server is stopped at the end (by
+    the pid the command printed: it is the one it started, in a Prefect home of its own)."""
+    tmp = tmp_path_factory.mktemp("tune-command")
+    records, port = str(tmp / "records"), _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp / "prefect-home")          # a fresh server database and profile
+    out_path = tmp / "stdout.txt"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen([str(BIN / "tensortune"), "tune", "resnet-18", "--image-size", "32", "--trials",
+                                 str(TRIALS), "--population", "16", "--records", records, "--port", str(port)],
+                                cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            code = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+    text = out_path.read_text()
+    started = re.search(rf"Prefect API: started (http://127\.0\.0\.1:{port}/api) \(pid (\d+)\)", text)
+    server = PrefectServer(started.group(1), int(started.group(2))) if started else None
+    try:
+        yield code, text, records, server
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def test_the_command_succeeds_and_says_where_to_look(run):
+    code, text, records, server = run
+    assert code == 0, text[-5000:]
+    assert server is not None and api_healthy(server.api_url), "the command did not start a server, or it is gone"
+    assert re.search(rf"^records: +{re.escape(records)}$", text, re.M), text[-3000:]
+    assert f"the Prefect server (pid {server.pid}) keeps running for the UI; stop it with `kill {server.pid}`" in text
+
+
+def _table(text: str) -> list[list[str]]:
+    """The per-task table's rows, cell by cell."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if line.startswith("│") and cells[0].isdigit():
+            rows.append(cells)
+    return rows
+
+
+def test_the_output_matches_the_records_it_wrote(run):
+    code, text, records, _ = run
+    assert code == 0, text[-5000:]
+    net, tasks = network_tasks("resnet-18", image_size=32)
+    frame = RecordStore(records).read()
+
+    # every trial is a record, of this run, spread as the warm-up does: 2 programs per task
+    run_id = re.search(r"Prefect UI: http://127\.0\.0\.1:\d+/runs/flow-run/([0-9a-f-]{36})", text).group(1)
+    assert len(frame) == TRIALS and set(frame["flow_run_id"]) == {run_id}
+    assert frame.groupby("workload_key").size().to_dict() == {t.workload_key: 2 for t in tasks}
+    assert not frame.duplicated(["workload_key", "steps"]).any()
+    assert re.search(rf"resnet-18 on llvm[^:]*: {TRIALS} trials in 18 rounds", text)
+
+    # the table: one row per task, its best latency the best of its records
+    ok = frame[frame["error_code"] == 0]
+    best = ok.groupby("workload_key")["mean_latency"].min()
+    rows = _table(text)
+    assert [int(r[0]) for r in rows] == list(range(len(tasks)))
+    for task, row in zip(tasks, rows):
+        assert int(row[2]) == task.weight and row[6:8] == ["2", "2"], row
+        assert float(row[3]) == pytest.approx(best[task.workload_key] * 1e3, abs=1e-4), row
+
+    # the estimates: the weighted sum of the best records, and of the runtime's default schedules,
+    # which every task measured first, so tuning never ends slower than the defaults
+    default = {t.workload_key: default_seeds(t)[0].steps_json() for t in tasks}
+    default_s = sum(t.weight * ok[(ok["workload_key"] == t.workload_key)
+                                  & (ok["steps"] == default[t.workload_key])]["mean_latency"].item() for t in tasks)
+    after_s = sum(t.weight * best[t.workload_key] for t in tasks)
+    line = re.search(r"estimated latency: ([\d.]+) ms \(runtime default schedules ([\d.]+) ms, start of this run "
+                     r"n/a\)", text)
+    assert line, text[-3000:]
+    assert float(line.group(1)) == pytest.approx(after_s * 1e3, abs=1e-4)
+    assert float(line.group(2)) == pytest.approx(default_s * 1e3, abs=1e-4)
+    assert after_s <= default_s
+
+    # the network built from those records ran and matched the NumPy reference
+    assert re.search(r"measured latency: +[\d.]+ ms end to end .*check against the NumPy reference: OK", text), \
+        text[-3000:]
+
+
+def test_the_run_is_on_the_server_with_its_artifacts(run):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    code, text, _, server = run
+    assert code == 0, text[-5000:]
+    url = re.search(r"Prefect UI: (http://127\.0\.0\.1:\d+)/runs/flow-run/([0-9a-f-]{36})", text)
+    assert url.group(1) == server.ui_url
+    with temporary_settings({PREFECT_API_URL: server.api_url}):
+        flow_run, artifacts, task_runs = read_back(url.group(2))
+    assert flow_run.state.is_completed() and flow_run.name.startswith("resnet-18-llvm-")
+    assert {a.type for a in artifacts} >= {"progress", "table", "markdown"}
+    names = [t.name for t in task_runs]
+    assert sum(n.startswith("measure-r") for n in names) == 18
+    assert any(n.startswith("build-and-time-network") for n in names)
+    assert all(t.state.is_completed() for t in task_runs), [(t.name, t.state.type) for t in task_runs]
