@@ -54,8 +54,8 @@ def test_sampled_mutated_and_crossed_programs_are_correct(key, seed):
 def _steps_by_stage(c) -> dict[int, list]:
     """A program's steps grouped by the stage they transform, each group in program order."""
     out: dict[int, list] = {}
-    for st in c.steps:
-        out.setdefault(st.stage_id, []).append(st)
+    for step in c.steps:
+        out.setdefault(step.stage_id, []).append(step)
     return out
 
 
