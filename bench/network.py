@@ -196,6 +196,10 @@ def output_errors(outs: dict, refs: list) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------- tensortune
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if math.isfinite(seconds) else "n/a (a task has no program yet)"
+
+
 def tune(name: str, tasks: list, trials: int, strategies: list[str], seed: int, measurer,
          records: str | None = None) -> dict:
     """{strategy: (result, seconds)}. The warm-up (a round per task) runs once; each strategy resumes
@@ -211,7 +215,7 @@ def tune(name: str, tasks: list, trials: int, strategies: list[str], seed: int, 
                             records=RecordStore(os.path.join(home, label)),
                             progress=lambda i, log, r: print(
                                 f"  {name} [{label}] {r.trials}/{budget} trials, task {i} best "
-                                f"{log.best_gflops:.1f} GFLOP/s, est. {r.estimated_latency * 1e3:.2f} ms", flush=True))
+                                f"{log.best_gflops:.1f} GFLOP/s, est. {_ms(r.estimated_latency)}", flush=True))
     with Stopwatch() as warm_watch:
         warm = tuner("warm-up", trials)
         for _ in tasks:

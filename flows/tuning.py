@@ -18,6 +18,7 @@ from schedule.state import State
 from search.candidate import Candidate
 from search.cost_model import CostModel, RandomModel, XGBModel
 from search.sketch_policy import SearchParams, SketchPolicy
+from search.task_scheduler import INF_COST, TaskScheduler
 from storage.records import MeasureRecord, RecordStore
 from tasks.extract import NetworkTasks, extract_tasks
 from tasks.graph import Graph
@@ -217,6 +218,10 @@ class NetworkTuneResult:
 
     @property
     def estimated_latency(self) -> float:
+        """Weighted sum of the task bests; inf while a task has no valid program (the scheduler counts
+        those as INF_COST seconds, which no reader should see as a latency)."""
+        if any(c >= INF_COST for c in self.best_costs):
+            return math.inf
         return float(sum(t.weight * c for t, c in zip(self.tasks, self.best_costs)))
 
 
@@ -238,7 +243,6 @@ class NetworkTuner:
                  strategy: str = "gradient", objective=None, seed: int = 0, flow_run_id: str = "",
                  network_name: str = "", scheduler_options: dict | None = None,
                  progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None):
-        from search.task_scheduler import TaskScheduler
         self.trials, self.measurer, self.records, self.progress = trials, measurer, records, progress
         self.flow_run_id, self.network_name = flow_run_id, network_name
         params = params or SearchParams()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 
 import numpy as np
 import pytest
@@ -22,6 +24,16 @@ def pytest_configure(config: pytest.Config) -> None:
     markexpr = config.getoption("markexpr", "") or ""
     wide = "slow" in markexpr and "not slow" not in markexpr
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "wide" if wide else "ci"))
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM a process the test started, then SIGKILL it if it has not exited within `timeout`."""
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def examples(n: int) -> int:

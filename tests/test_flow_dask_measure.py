@@ -23,6 +23,7 @@ from flows.dask_measure import DaskMeasurer
 from schedule.state import State
 from search.sketch_policy import SearchParams, SketchPolicy
 from tasks.workload_registry import make_dag
+from tests.conftest import terminate
 from tests.test_measure import SEGFAULT, _artifact
 
 TIMING = TimingConfig(min_repeat_ms=2, repeat=1)
@@ -134,12 +135,7 @@ def test_cuda_timings_go_only_to_the_gpu_worker_and_cpu_timings_never(cluster, t
         assert len(cuda_builds) == 2 and set(cuda_builds) == {gpu_worker}
         assert len(cpu_runs) == 4 and set(cpu_runs) <= set(workers_with(cluster, "measure-cpu"))
     finally:
-        os.kill(gpu.pid, signal.SIGTERM)
-        try:
-            gpu.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.kill(gpu.pid, signal.SIGKILL)
-            gpu.wait()
+        terminate(gpu, timeout=20)
 
 
 def kill_a_timing_worker(client: Client, pids: dict[str, int], timeout: float = 60.0) -> int:

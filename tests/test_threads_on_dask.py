@@ -8,7 +8,6 @@ program is timed through the flow's DaskMeasurer and the library's ProgramMeasur
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from codegen.timing import TimingConfig
 from flows.dask_cluster import CPU_RESOURCE, workers_with
 from flows.dask_measure import DaskMeasurer
 from tasks.workload_registry import make_dag
+from tests.conftest import terminate
 from tests.schedules import tiled_schedule
 
 TIMING = TimingConfig(min_repeat_ms=30, repeat=3)
@@ -46,12 +46,7 @@ def deployed_worker():
             assert workers_with(client, CPU_RESOURCE), "the dask worker did not join within 120 s"
             yield client
         finally:
-            os.kill(worker.pid, signal.SIGTERM)
-            try:
-                worker.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.kill(worker.pid, signal.SIGKILL)
-                worker.wait()
+            terminate(worker)
 
 
 def _program(threads: int):
