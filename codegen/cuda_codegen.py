@@ -32,13 +32,12 @@ from codegen.ir import (
 from codegen.lower import THREAD_ALLREDUCE
 from tasks import te
 from tasks.arith import const_bounds
-from tasks.te import Expr, Var
+from tasks.te import DTYPE_BYTES, Expr, Var
 
 GRID_AXES = ("blockIdx.x", "blockIdx.y", "blockIdx.z")
 BLOCK_AXES = ("threadIdx.x", "threadIdx.y", "threadIdx.z")
 _CTYPE = {"float32": "float", "float64": "double", "int8": "signed char", "int16": "short", "int32": "int",
           "int64": "long long", "uint8": "unsigned char", "bool": "bool"}
-_BYTES = {"float32": 4, "float64": 8, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
 _SHUFFLE_TYPE = {"float32": "float", "float64": "double", "int64": "long long"}
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
           "eq": "==", "ne": "!=", "and": "&&", "or": "||"}
@@ -249,7 +248,7 @@ class _Kernel:
     @property
     def shared_bytes(self) -> int:
         scratch = 32 * sum(8 if t in ("double", "long long") else 4 for t in self.reduce_types)
-        return sum(b.size * _BYTES[b.dtype] for b in self.shared) + scratch
+        return sum(b.size * DTYPE_BYTES[b.dtype] for b in self.shared) + scratch
 
     # -------------------------------------------------------------- statements
 

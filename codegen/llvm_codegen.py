@@ -14,14 +14,12 @@ from dataclasses import dataclass
 from codegen.ir import Allocate, Barrier, BufferLoad, For, IfThenElse, LoweredFunc, Seq, Stmt, Store, stmt_exprs, uses
 from tasks import te
 from tasks.arith import const_bounds
-from tasks.te import Expr, Var
+from tasks.te import DTYPE_BYTES, Expr, Var
 
 STACK_LIMIT_BYTES = 64 * 1024
 
 _LLTYPE = {"float32": "float", "float64": "double", "float16": "half", "int8": "i8", "int16": "i16",
            "int32": "i32", "int64": "i64", "uint8": "i8", "bool": "i1"}
-_BYTES = {"float32": 4, "float64": 8, "float16": 2, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
-          "uint8": 1, "bool": 1}
 
 
 class CodegenError(ValueError):
@@ -119,7 +117,7 @@ class LLVMCodegen:
         for e in stmt_exprs(loop.body):
             for n in te.walk(e):
                 if isinstance(n, BufferLoad):
-                    widest = max(widest, _BYTES[n.buffer.dtype])
+                    widest = max(widest, DTYPE_BYTES[n.buffer.dtype])
         return max(1, self.vector_bits // (8 * widest))
 
     # ------------------------------------------------------------------ module
@@ -185,7 +183,7 @@ class LLVMCodegen:
     def _allocate(self, s: Allocate, st: "_EmitState") -> None:
         fn, b = st.fn, s.buffer
         ty = _mem_type(b.dtype)
-        nbytes = b.size * _BYTES[b.dtype]
+        nbytes = b.size * DTYPE_BYTES[b.dtype]
         ptr = fn.tmp("buf")
         if nbytes <= STACK_LIMIT_BYTES and b.scope != "global":
             fn.entry.append(f"{ptr} = alloca {ty}, i64 {b.size}, align 64")
@@ -361,7 +359,7 @@ class LLVMCodegen:
         lanes = max(idx.lanes, val.lanes, st.lanes if st.mask is not None else 1)
         if lanes == 1:
             p = self._gep(base, ty, idx, st)
-            fn.emit(f"store {ty} {self._scalar(val, st)}, ptr {p}, align {_BYTES[buf.dtype]}")
+            fn.emit(f"store {ty} {self._scalar(val, st)}, ptr {p}, align {DTYPE_BYTES[buf.dtype]}")
             return
         v = self._vec(val, st, lanes)
         vty = f"<{lanes} x {ty}>"
@@ -370,26 +368,26 @@ class LLVMCodegen:
         if idx.ramp is not None and idx.ramp[1] == 1:
             p = self._gep(base, ty, idx.ramp[0], st)
             if st.mask is None:
-                fn.emit(f"store {vty} {v}, ptr {p}, align {_BYTES[buf.dtype]}")
+                fn.emit(f"store {vty} {v}, ptr {p}, align {DTYPE_BYTES[buf.dtype]}")
             elif self._private_and_in_bounds(s, st):
                 # Blend instead of a masked store: an imperfect split's guard masks the register tile's
                 # stores, and a masked store on every reduction step keeps the accumulators in memory
                 # (200x slower); a plain load/select/store of this thread's own stack buffer is the same
                 # result, and LLVM keeps it in registers.
                 old, out = fn.tmp("old"), fn.tmp("blend")
-                fn.emit(f"{old} = load {vty}, ptr {p}, align {_BYTES[buf.dtype]}")
+                fn.emit(f"{old} = load {vty}, ptr {p}, align {DTYPE_BYTES[buf.dtype]}")
                 fn.emit(f"{out} = select <{lanes} x i1> {st.mask}, {vty} {v}, {vty} {old}")
-                fn.emit(f"store {vty} {out}, ptr {p}, align {_BYTES[buf.dtype]}")
+                fn.emit(f"store {vty} {out}, ptr {p}, align {DTYPE_BYTES[buf.dtype]}")
             else:
                 name = f"llvm.masked.store.v{lanes}{self._suffix(ty)}.p0"
                 self.module.declare(name, f"declare void @{name}({vty}, ptr, i32, <{lanes} x i1>)")
-                fn.emit(f"call void @{name}({vty} {v}, ptr {p}, i32 {_BYTES[buf.dtype]}, "
+                fn.emit(f"call void @{name}({vty} {v}, ptr {p}, i32 {DTYPE_BYTES[buf.dtype]}, "
                         f"<{lanes} x i1> {st.mask})")
             return
         ptrs = self._vec_gep(base, ty, idx, st, lanes)
         name = f"llvm.masked.scatter.v{lanes}{self._suffix(ty)}.v{lanes}p0"
         self.module.declare(name, f"declare void @{name}({vty}, <{lanes} x ptr>, i32, <{lanes} x i1>)")
-        fn.emit(f"call void @{name}({vty} {v}, <{lanes} x ptr> {ptrs}, i32 {_BYTES[buf.dtype]}, "
+        fn.emit(f"call void @{name}({vty} {v}, <{lanes} x ptr> {ptrs}, i32 {DTYPE_BYTES[buf.dtype]}, "
                 f"<{lanes} x i1> {st.mask or self._all_true(lanes)})")
 
     def _private_and_in_bounds(self, s: Store, st: "_EmitState") -> bool:
@@ -517,7 +515,7 @@ class LLVMCodegen:
     def _load(self, e: BufferLoad, st: "_EmitState") -> Val:
         fn, buf = st.fn, e.buffer
         ty = _mem_type(buf.dtype)
-        align = _BYTES[buf.dtype]
+        align = DTYPE_BYTES[buf.dtype]
         base = st.buffers.get(buf)
         if base is None:
             raise CodegenError(f"buffer {buf.name} is read outside its allocation")

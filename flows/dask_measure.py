@@ -70,20 +70,6 @@ def run_candidate(task_json: str, build: BuildResult, config: TimingConfig, time
     return result
 
 
-def worker_pool_pids() -> list[int]:
-    """Runs on a Dask worker: the pids of its builder and runner processes (for tests and diagnostics)."""
-    builders = []
-    while True:
-        try:
-            builders.append(_IDLE_BUILDERS.get_nowait())
-        except queue.Empty:
-            break
-    pids = [p for b in builders for p in b.pool.pids()] + [p for r in _RUNNERS.values() for p in r.pool.pids()]
-    for b in builders:
-        _IDLE_BUILDERS.put(b)
-    return pids
-
-
 # ------------------------------------------------------------------ flow side
 
 @dataclass

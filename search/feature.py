@@ -33,13 +33,11 @@ from schedule.state import State
 from schedule.steps import FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, SplitStep
 from tasks import te
 from tasks.search_task import SearchTask
-from tasks.te import Expr, Var
+from tasks.te import DTYPE_BYTES, Expr, Var
 
 N_FEATURES = 164
 MAX_N_BUFS = 5
 CURVE_N = 10
-_BYTES = {"float32": 4, "float64": 8, "float16": 2, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1,
-          "bool": 1}
 _GPU_AXES = ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y", "threadIdx.z")
 
 
@@ -512,7 +510,7 @@ class FeatureTemplate:
             out_idx = [values[name][a] for a in st.op.axes]
             is_update = isinstance(body, te.Reduce)
             accesses.append(_Access(name, [_linear(i, loop_vars, free_vars) for i in out_idx], 2 if is_update else 1,
-                                    _BYTES[st.op.dtype]))
+                                    DTYPE_BYTES[st.op.dtype]))
             for buf, idx_list in loads[name].items():
                 if buf == name:
                     continue
@@ -521,7 +519,7 @@ class FeatureTemplate:
                 if buf in self.region_syms:       # a region buffer: its enclosing loops only move the region
                     fixed = {v: te.const(0) for v, _, _ in nests[buf][:enclosing[buf]]}
                     idx = [te.substitute(i, fixed) for i in idx]
-                accesses.append(_Access(buf, [_linear(i, loop_vars, free_vars) for i in idx], 0, _BYTES[dtype]))
+                accesses.append(_Access(buf, [_linear(i, loop_vars, free_vars) for i in idx], 0, DTYPE_BYTES[dtype]))
             ops = _count_ops(src)
             if is_update:
                 ops.float_addsub += 1 if te.is_float(st.op.dtype) and body.combiner == "sum" else 0

@@ -20,6 +20,7 @@ from search.sketch_rules import Sketch, has_cross_thread_reduction
 from tasks import te
 from tasks.arith import const_bounds
 from tasks.search_task import HardwareParams, SearchTask
+from tasks.te import DTYPE_BYTES
 
 _THREAD_AXES = ("threadIdx.x", "threadIdx.y", "threadIdx.z")
 
@@ -148,7 +149,6 @@ def _thread_extents(state: State, sid: int, acc: dict) -> None:
             _thread_extents(state, a, acc)
 
 
-_DTYPE_BYTES = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "int16": 2}
 
 
 def _block_tile(stage: Stage) -> dict:
@@ -188,7 +188,7 @@ def shared_bytes(state: State, root: str) -> int:
         n = 1
         for e in extent:
             n *= e
-        total += n * _DTYPE_BYTES.get(stage.op.dtype, 1)
+        total += n * DTYPE_BYTES.get(stage.op.dtype, 1)
     return total
 
 

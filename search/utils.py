@@ -90,10 +90,6 @@ def has_cache_write_stage(state: State, sid: int) -> bool:
     return state.stages[sid].origin == "cache_write"
 
 
-def has_rfactor_stage(state: State, sid: int) -> bool:
-    return state.stages[sid].origin == "rfactor"
-
-
 def space_reduce_lengths(stage: Stage) -> tuple[int, int]:
     space = reduce = 1
     for it in stage.iters:

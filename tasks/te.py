@@ -11,6 +11,10 @@ import inspect
 import math
 from typing import Callable, Iterable, Sequence
 
+# Bytes per element of every dtype the DSL knows (bool is stored as one byte).
+DTYPE_BYTES: dict[str, int] = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "int16": 2,
+                               "int8": 1, "uint8": 1, "bool": 1}
+
 FLOAT_DTYPES = ("float16", "float32", "float64")
 INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
 DTYPES = FLOAT_DTYPES + INT_DTYPES + ("bool",)
