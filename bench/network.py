@@ -321,10 +321,7 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
            "tune_wall_s": wall, "est_latency_ms": grad.estimated_latency * 1e3,
            "gradient_curve": grad.curve, "task_best_ms": [c * 1e3 for c in grad.best_costs],
            "task_weights": [t.weight for t in tasks], "workload_keys": [t.workload_key for t in tasks]}
-    for label in built:        # a wrong answer has no speedup
-        if not checks[label]["passed"]:
-            for ref in ("torch", "ort"):
-                row[f"{label}_vs_{ref}"] = row[f"{label}_vs_{ref}_pairwise"] = None
+    withhold_failed(row)
     row["est_vs_measured"] = (row["est_latency_ms"] / row["tuned_ms"]) if row["tuned_ms"] else None
     if "round-robin" in runs:
         rr, rr_wall = runs["round-robin"]
@@ -334,6 +331,16 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
                     "rr_trials": rr.trials, "rr_wall_s": rr_wall, "gradient_trials_to_rr_final": reached,
                     "gradient_needs_fewer_trials": reached is not None and reached < rr.trials,
                     "rr_curve": rr.curve, "rr_task_best_ms": [c * 1e3 for c in rr.best_costs]})
+    return row
+
+
+def withhold_failed(row: dict, refs: tuple[str, ...] = ("torch", "ort")) -> dict:
+    """A wrong answer has no speedup: for each of our networks whose check failed (row["checked"]),
+    its ratios against every reference become None, in the JSON as in the table (`printed`)."""
+    for label, ok in row["checked"].items():
+        if not ok:
+            for ref in refs:
+                row[f"{label}_vs_{ref}"] = row[f"{label}_vs_{ref}_pairwise"] = None
     return row
 
 
