@@ -1,21 +1,35 @@
 """`python -m bench tune --target cuda`: tuned CUDA kernels against PyTorch (cuBLAS / cuDNN) on one GPU.
 
 Tunes matmul 4096^3 and every distinct conv2d layer of ResNet-50 (batch 1, NCHW, fp32), re-times the
-best program of each (CUDAKernel.time: CUDA events, median of 5 repeats of at least 200 ms, the
-protocol of bench.common.measure), checks it against PyTorch on the CPU, and times the same computation
-in PyTorch on the same GPU with TF32 off (plain fp32, as the tuned kernels compute) by
-bench.common.measure with CUDA events (bench.common.cuda_clock), replayed from a CUDA graph (the
-library's kernels alone) and called eagerly (with PyTorch's per-call dispatch). The tuned kernels are
-built and timed in worker processes (pycuda); PyTorch runs in this one, so the two never share a CUDA
-context. A row whose output failed its check has no speedup and is left out of the ResNet-50 total.
+best program of each, checks it against PyTorch on the CPU, and times it against the same computation
+in PyTorch on the same GPU with TF32 off (plain fp32, as the tuned kernels compute), replayed from a CUDA
+graph (the library's kernels alone) and called eagerly (with PyTorch's per-call dispatch). The three are
+timed in alternating pairs (bench.common.compare), each by the same protocol with CUDA events (median
+of 5 batches of >= 200 ms): PyTorch by bench.common.measure with bench.common.cuda_clock in this
+process, the tuned kernel by CUDAKernel.time in a worker process (pycuda), so the two never share a
+CUDA context. A row whose output failed its check has no speedup (its kernel is not timed) and is left
+out of the ResNet-50 total.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
+from typing import Callable
 
-from bench.common import Stopwatch, cuda_clock, environment, fmt_ratio, measure, print_table, write_json
+from bench.common import (
+    PAIRS,
+    Comparison,
+    Stopwatch,
+    compare,
+    cuda_clock,
+    environment,
+    fmt_ratio,
+    measure,
+    print_table,
+    write_json,
+)
 
 MATMUL = ("matmul", (4096, 4096, 4096))
 GPU_BATCHES, GPU_MIN_BATCH_MS = 5, 200.0      # both sides: median of 5 batches of >= 200 ms
@@ -61,42 +75,56 @@ def workloads(spec: str) -> list[dict]:
 # ------------------------------------------------------------------------------ worker side (pycuda)
 
 def verify_job(payload: tuple) -> tuple[float, str]:
-    """(task_json, artifact, conv (stride, pad) or None) -> (median seconds, mismatch or ''): runs
-    in a worker process.
-
-    The reference is PyTorch on the CPU in fp32 (the float64 NumPy reference of a 4096^3 matmul
-    would take minutes)."""
+    """(task_json, artifact, conv (stride, pad) or None, check) -> (median seconds or NaN, mismatch or
+    ''): runs in a worker process. With `check`, the output is compared with PyTorch on the CPU in fp32
+    (the float64 NumPy reference of a 4096^3 matmul would take minutes) and not timed; without, the
+    kernel is timed (one side of one pair of bench.common.compare)."""
     import numpy as np
-    import torch
 
     from codegen.cuda_backend import CUDAKernel
     from tasks.reference import mismatch
     from tasks.search_task import SearchTask
-    task_json, artifact, conv = payload
+    task_json, artifact, conv, check = payload
     task = SearchTask.from_json(task_json)
     dag = task.dag
     inputs = dag.random_inputs(seed=99)
     outs = [np.full(t.shape, np.nan, dtype=t.dtype) for t in dag.outputs]
     kernel = CUDAKernel(artifact)
-    kernel(*inputs, *outs)
-    a, b = (torch.from_numpy(x) for x in inputs)
-    if conv is None:
-        ref = (a @ b).numpy()
-    else:
-        ref = torch.nn.functional.conv2d(a, b, stride=conv[0], padding=conv[1]).numpy()
-    bad = mismatch(outs[0], ref.astype(np.float64))
+    if check:
+        import torch
+        kernel(*inputs, *outs)
+        a, b = (torch.from_numpy(x) for x in inputs)
+        if conv is None:
+            ref = (a @ b).numpy()
+        else:
+            ref = torch.nn.functional.conv2d(a, b, stride=conv[0], padding=conv[1]).numpy()
+        return math.nan, mismatch(outs[0], ref.astype(np.float64)) or ""
     dev = kernel.device_args(list(inputs) + outs)
     # bench.common's protocol, run in this worker: CUDA events, median of batches of >= 200 ms
     costs = kernel.time(dev, number=3, repeat=GPU_BATCHES, min_repeat_ms=GPU_MIN_BATCH_MS, warmup=3)
-    return statistics.median(costs), bad or ""
+    return statistics.median(costs), ""
+
+
+def tuned_side(verifier, task, artifact, conv) -> Callable[[], float]:
+    """The tuned kernel as a side of bench.common.compare: milliseconds per run, timed in the worker."""
+    payload = (task.to_json(), artifact, conv, False)
+
+    def side() -> float:
+        (r,) = verifier.map([payload])
+        if not r.ok:
+            raise RuntimeError(r.error.strip().splitlines()[-1] if r.error.strip() else "worker failed")
+        return r.value[0] * 1e3
+    return side
 
 
 # ------------------------------------------------------------------------------ PyTorch side
 
-def torch_ms(item: dict) -> tuple[float, float]:
-    """(graph ms, eager ms): median time of the same computation in PyTorch on the GPU (TF32 off),
-    by CUDA events. Eager calls pay PyTorch's per-call dispatch (about 20 us), which is longer than a
-    small conv: the graph replay of many calls measures the library's kernels alone."""
+def torch_sides(item: dict) -> tuple[dict[str, Callable[[], float]], Callable[[], None]]:
+    """({"torch": graph replay, "torch_eager": eager call}, release): the same computation in PyTorch
+    on the GPU (TF32 off) as sides of bench.common.compare, each returning ms per call by
+    bench.common.measure with CUDA events. Eager calls pay PyTorch's per-call dispatch (about 20 us),
+    which is longer than a small conv: the graph replay of many calls measures the library's kernels
+    alone. `release` frees the graph once the row is timed."""
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -118,18 +146,27 @@ def torch_ms(item: dict) -> tuple[float, float]:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     clock = cuda_clock(torch)
-    eager = measure(fn, min_batch_ms=GPU_MIN_BATCH_MS, batches=GPU_BATCHES, clock=clock).ms
-    calls = int(min(max(3, 50 / max(eager, 1e-3)), 2000, max(3, (2 << 30) // max(1, out.numel() * 4))))
+
+    def eager() -> float:
+        return measure(fn, min_batch_ms=GPU_MIN_BATCH_MS, batches=GPU_BATCHES, clock=clock).ms
+
+    # one graph of many calls (enough for ~50 ms, at most 2000 calls and 2 GiB of outputs)
+    calls = int(min(max(3, 50 / max(eager(), 1e-3)), 2000, max(3, (2 << 30) // max(1, out.numel() * 4))))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    graphed = measure(graph.replay, min_batch_ms=GPU_MIN_BATCH_MS, batches=GPU_BATCHES, clock=clock).ms / calls
-    del graph
-    torch.cuda.empty_cache()
-    return graphed, eager
+
+    def graphed() -> float:
+        return measure(graph.replay, min_batch_ms=GPU_MIN_BATCH_MS, batches=GPU_BATCHES, clock=clock).ms / calls
+
+    def release() -> None:
+        nonlocal graph
+        graph = None
+        torch.cuda.empty_cache()
+    return {"torch": graphed, "torch_eager": eager}, release
 
 
 def gpu_name() -> str:
@@ -142,19 +179,34 @@ def gpu_name() -> str:
 
 # ------------------------------------------------------------------------------ driver
 
+def timed_fields(flops: float, verified: bool, cmp: Comparison) -> dict:
+    """A row's timing fields from its comparison: each side's median ms over the pairs that did not
+    fail, `tuned/torch` (the ratio of the medians, torch ms / tuned ms, recomputable from the printed
+    ms) and `tuned/torch_pairwise` (the median of the per-pair ratios), likewise against eager PyTorch,
+    and the pairs. A kernel that failed its check was not timed and gets no time and no speedup."""
+    got = cmp.fields("tuned" if verified else (), ["torch", "torch_eager"])
+    tuned, torch = got.get("tuned_ms"), got.get("torch_ms")
+    return {**got, "tuned_ms": tuned,
+            "tuned_tflops": flops / tuned / 1e9 if tuned else None,
+            "torch_tflops": flops / torch / 1e9 if torch else None,
+            "tuned/torch": got.get("tuned_vs_torch"), "tuned/torch_pairwise": got.get("tuned_vs_torch_pairwise"),
+            "pairs_ok": f"{len(cmp.ok)}/{len(cmp.pairs)}"}
+
+
 def resnet50_total(rows: list[dict]) -> dict | None:
     """The ResNet-50 conv rows summed (each times its layer count) over the rows that passed
-    verification; the failed ones are named and left out (a wrong kernel has no time worth adding)."""
+    verification and were timed; the others are named and left out (a wrong kernel has no time worth
+    adding, and a sum with a hole in it is not the network's)."""
     convs = [r for r in rows if r["task"].startswith("r50.")]
-    good = [r for r in convs if r["verified"]]
+    good = [r for r in convs if r["verified"] and r.get("tuned_ms") and r.get("torch_ms")]
     if not good:
         return None
-    tot = {"task": f"ResNet-50 convs (x layers), {len(good)} of {len(convs)} verified", "total": True,
+    tot = {"task": f"ResNet-50 convs (x layers), {len(good)} of {len(convs)} verified and timed", "total": True,
            "layers": sum(r["layers"] for r in good), "trials": sum(r["trials"] for r in good),
            "tuned_ms": sum(r["tuned_ms"] * r["layers"] for r in good),
            "torch_ms": sum(r["torch_ms"] * r["layers"] for r in good),
            "torch_eager_ms": sum(r["torch_eager_ms"] * r["layers"] for r in good),
-           "excluded_failed": [r["task"] for r in convs if not r["verified"]]}
+           "excluded_failed": [r["task"] for r in convs if r not in good]}
     tot["verified"] = not tot["excluded_failed"]
     tot["tuned/torch"] = tot["torch_ms"] / tot["tuned_ms"]
     return tot
@@ -173,16 +225,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--run-timeout", type=float, default=10.0, help="seconds per candidate's check and timing")
     ap.add_argument("--json", help="write the environment and the rows to this JSON file (rewritten after each task)")
     ap.add_argument("--torch-only", action="store_true", help="only time PyTorch on the workloads")
+    ap.add_argument("--pairs", type=int, default=PAIRS, help="timing pairs (alternating order)")
     args, _ = ap.parse_known_args(argv)
     env = environment(os.cpu_count())
     env["gpu"] = name = gpu_name()
     if args.torch_only:
         rows = []
         for item in workloads(args.workloads):
-            tms, eager = torch_ms(item)
-            rows.append({"gpu": name, "task": item["label"], "layers": item["count"], "torch_ms": tms,
-                         "torch_eager_ms": eager})
-            print(f"  {item['label']}: torch {tms:.4f} ms (eager {eager:.4f})", flush=True)
+            sides, release = torch_sides(item)
+            cmp = compare(sides, args.pairs)
+            release()
+            rows.append({"gpu": name, "task": item["label"], "layers": item["count"], **cmp.fields()})
+            print(f"  {item['label']}: torch {rows[-1]['torch_ms']} ms (eager {rows[-1]['torch_eager_ms']}), "
+                  f"{len(cmp.ok)}/{len(cmp.pairs)} pairs ok", flush=True)
             write_json(args.json, rows, env, benchmark="tune-cuda")
         return 0
 
@@ -219,21 +274,25 @@ def main(argv: list[str]) -> int:
             row = {"gpu": name, "task": item["label"], "layers": item["count"],
                    "trials": res.trials, "gflop": task.flops / 1e9, "tune_s": wall,
                    "errors": sum(r.errors for r in res.rounds)}
-            ms, bad = float("nan"), "no valid program"
+            bad, tuned = "no valid program", None
             if res.best_steps:
                 (b,) = measurer.builder.build(task, [res.best_steps])
                 if b.artifact is not None:
                     conv = None if item["workload"] == "matmul" else item["args"][7:9]
-                    (r,) = verifier.map([(task.to_json(), b.artifact, conv)])
-                    ms, bad = (r.value[0] * 1e3, r.value[1]) if r.ok else (float("nan"), r.error.splitlines()[0])
-            tms, eager = torch_ms(item)
-            ok = not bad and ms == ms
-            row.update({"tuned_ms": ms if ms == ms else None, "torch_ms": tms, "torch_eager_ms": eager,
-                        "tuned_tflops": task.flops / ms / 1e9 if ok else None, "torch_tflops": task.flops / tms / 1e9,
-                        "tuned/torch": tms / ms if ok else None,      # a wrong answer has no speedup
-                        "verified": ok, "note": bad[:120]})
+                    (r,) = verifier.map([(task.to_json(), b.artifact, conv, True)])
+                    bad = r.value[1] if r.ok else (r.error.strip().splitlines() or ["worker failed"])[-1]
+                    if not bad:
+                        tuned = tuned_side(verifier, task, b.artifact, conv)
+                else:
+                    bad = f"build failed: {b.error_msg[:200]}"
+            # tuned (only when its output is right), PyTorch graph and eager: alternating pairs
+            sides, release = torch_sides(item)
+            cmp = compare({**({"tuned": tuned} if tuned else {}), **sides}, args.pairs)
+            release()
+            row.update({**timed_fields(task.flops, not bad, cmp), "verified": not bad, "note": bad[:120]})
             rows.append(row)
-            print(f"  {item['label']}: tuned {ms:.4f} ms, torch {tms:.4f} ms (eager {eager:.4f}), {res.trials} trials, "
+            print(f"  {item['label']}: tuned {row['tuned_ms']} ms, torch {row['torch_ms']} ms "
+                  f"(eager {row['torch_eager_ms']}), pairs ok {row['pairs_ok']}, {res.trials} trials, "
                   f"{wall:.0f} s{'' if not bad else ' FAILED ' + bad[:80]}", flush=True)
             write_json(args.json, rows, env, benchmark="tune-cuda")
     finally:
@@ -242,9 +301,11 @@ def main(argv: list[str]) -> int:
     tot = resnet50_total(rows)
     if tot is not None:
         rows.append({"gpu": name, **tot})
-    shown = [{**r, "tuned/torch": fmt_ratio(r.get("tuned/torch"), failed=not r.get("verified", True)
-                                            and not r.get("total", False))} for r in rows]
+    shown = [{**r, **{k: fmt_ratio(r.get(k), failed=not r.get("verified", True) and not r.get("total", False))
+                      for k in ("tuned/torch", "tuned/torch_pairwise")}} for r in rows]
     print_table(shown, ["task", "layers", "trials", "tuned_ms", "tuned_tflops", "torch_ms", "torch_eager_ms",
-                        "torch_tflops", "tuned/torch", "verified"])
+                        "torch_tflops", "tuned/torch", "tuned/torch_pairwise", "pairs_ok", "verified"])
+    print("tuned/torch = median torch ms / median tuned ms over the pairs (recomputable from the ms columns); "
+          "_pairwise = the median of the per-pair ratios")
     write_json(args.json, rows, env, benchmark="tune-cuda")
     return 0

@@ -208,6 +208,39 @@ def test_a_failed_check_prints_failed_not_a_speedup():
     assert fmt_ratio(None) == "-" and fmt_ratio(2.0, failed=True) == "failed"
 
 
+def test_a_network_that_failed_its_check_keeps_its_times_but_loses_its_ratios():
+    from bench.network import printed, withhold_failed
+    log: list[str] = []
+    cmp = compare({n: Fake(n, [v, v], log) for n, v in (("tuned", 2.0), ("default", 4.0), ("torch", 3.0),
+                                                          ("ort", 1.0))}, pairs=2)
+    row = {"checked": {"tuned": False, "default": True}, **cmp.fields(["tuned", "default"], ["torch", "ort"])}
+    assert row["tuned_vs_torch"] == pytest.approx(1.5)           # computed before the check is applied
+    withhold_failed(row)
+    assert row["tuned_ms"] == 2.0                                 # the time stays, the speedup goes
+    assert all(row[f"tuned_vs_{r}{s}"] is None for r in ("torch", "ort") for s in ("", "_pairwise"))
+    assert row["default_vs_torch"] == pytest.approx(0.75) and row["default_vs_ort_pairwise"] == pytest.approx(0.25)
+    assert printed(row)["tuned_vs_ort"] == "failed" and printed(row)["default_vs_torch"] == "0.75x"
+
+
+def test_cuda_row_ratios_come_from_the_pairs_and_a_failed_check_has_none():
+    from bench.tune_cuda import timed_fields
+    log: list[str] = []
+    sides = {"tuned": Fake("tuned", [1.0, 2.0], log), "torch": Fake("torch", [2.0, 3.0], log),
+             "torch_eager": Fake("torch_eager", [4.0, 4.0], log)}
+    f = timed_fields(3e9, True, compare(sides, pairs=2))
+    assert log == ["tuned", "torch", "torch_eager", "torch_eager", "torch", "tuned"]
+    assert f["tuned_ms"] == 1.5 and f["torch_ms"] == 2.5 and f["torch_eager_ms"] == 4.0
+    assert f["tuned/torch"] == pytest.approx(2.5 / 1.5)           # ratio of the medians
+    assert f["tuned/torch_pairwise"] == pytest.approx(1.75)       # median of 2.0 and 1.5
+    assert f["tuned_tflops"] == pytest.approx(2.0) and f["pairs_ok"] == "2/2"
+    # a kernel that failed its check is not a side: PyTorch is still timed, the row has no speedup
+    log.clear()
+    wrong = timed_fields(3e9, False, compare({"torch": Fake("torch", [2.0, 2.0], log),
+                                              "torch_eager": Fake("torch_eager", [3.0, 3.0], log)}, pairs=2))
+    assert "tuned" not in log and wrong["torch_ms"] == 2.0
+    assert wrong["tuned_ms"] is None and wrong["tuned/torch"] is None and wrong["tuned_tflops"] is None
+
+
 def test_resnet50_total_leaves_out_rows_that_failed_verification():
     from bench.tune_cuda import resnet50_total
     rows = [{"task": "matmul 4096^3", "verified": True},
@@ -222,6 +255,10 @@ def test_resnet50_total_leaves_out_rows_that_failed_verification():
     assert tot["tuned/torch"] == pytest.approx(5.5 / 3.5)
     assert tot["excluded_failed"] == ["r50.1"] and "2 of 3 verified" in tot["task"]
     assert resnet50_total([rows[0], rows[2]]) is None
+    untimed = {"task": "r50.3", "layers": 4, "trials": 10, "tuned_ms": None, "torch_ms": None,
+               "torch_eager_ms": None, "verified": True}
+    tot = resnet50_total(rows + [untimed])
+    assert tot["layers"] == 5 and tot["excluded_failed"] == ["r50.1", "r50.3"]
 
 
 # ---------------------------------------------------------------------------------- the ablation
