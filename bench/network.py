@@ -252,6 +252,19 @@ def trials_to_reach(curve, target: float) -> int | None:
     return None
 
 
+def builtin_agreement(imported: list, builtin: list) -> dict:
+    """Whether the imported ONNX graph's tasks are those of the built-in builder (tasks/models.py, what
+    `tensortune tune-network NAME` tunes): the same workload keys with the same weights. Only then do
+    this benchmark's figures and records carry over to the built-in network; where they do not, the
+    row names the tasks on each side."""
+    a, b = ({t.workload_key: t.weight for t in ts} for ts in (imported, builtin))
+    return {"same": a == b, "imported_tasks": len(imported), "builtin_tasks": len(builtin),
+            "imported_only": sorted(t.name for t in imported if t.workload_key not in b),
+            "builtin_only": sorted(t.name for t in builtin if t.workload_key not in a),
+            "weights_differ": sorted(t.name for t in imported if t.workload_key in b and a[t.workload_key]
+                                     != b[t.workload_key])}
+
+
 def network_options(name: str, args) -> dict:
     options = dict(NETWORK_OPTIONS.get(name, {}))
     if args.image_size and "image_size" in options:
@@ -273,6 +286,7 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     path = export_onnx(model, example, os.path.join(folder, f"{name}.onnx"), torch)
     graph = import_onnx(path, name=name)
     net, tasks = network_tasks(graph, target)
+    agreement = builtin_agreement(tasks, network_tasks(name, target, **options)[1])
     feed = graph.random_inputs(args.seed)         # the same inputs for every side
     (input_name,) = feed
 
@@ -314,7 +328,8 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     cmp = compare(sides, args.pairs)
 
     row = {"network": name, "options": options, "onnx_inputs": {input_name: list(feed[input_name].shape)},
-           "tasks": len(tasks), "trials": grad.trials, "target": target,
+           "tasks": len(tasks), "trials": grad.trials, "target": target, "builtin_agreement": agreement,
+           "same_tasks_as_builtin": agreement["same"],
            "threads_used": threads_used(target, sess), **cmp.fields(["tuned", "default"], ["torch", "ort"]),
            "checked": {k: v["passed"] for k, v in checks.items()}, "checks": checks,
            "check_tolerance": NETWORK_TOLERANCE, "ort_vs_torch_error": ort_vs_torch,
@@ -397,7 +412,8 @@ def main(argv: list[str]) -> int:
         if not args.keep_onnx:
             shutil.rmtree(folder, ignore_errors=True)
     print_table([printed(r) for r in rows],
-                ["network", "tasks", "trials", "tuned_check", "tuned_ms", "default_ms", "torch_ms", "ort_ms",
+                ["network", "tasks", "same_tasks_as_builtin", "trials", "tuned_check", "tuned_ms", "default_ms",
+                 "torch_ms", "ort_ms",
                  "tuned_vs_torch", "tuned_vs_torch_pairwise", "tuned_vs_ort", "tuned_vs_ort_pairwise",
                  "default_vs_torch", "est_latency_ms", "pairs_ok"])
     if any("rr_trials" in r for r in rows):

@@ -278,3 +278,16 @@ def test_ablation_random_model_evolves_as_many_generations_as_xgb():
 def test_comparison_is_a_plain_record():
     cmp = Comparison(("a", "b"))
     assert cmp.failed == 0 and cmp.median_ms("a") is None
+
+
+def test_builtin_agreement_names_the_tasks_that_differ():
+    from types import SimpleNamespace as T
+
+    from bench.network import builtin_agreement
+    conv, dense = T(workload_key="k-conv", weight=2, name="conv"), T(workload_key="k-dense", weight=1, name="dense")
+    assert builtin_agreement([conv, dense], [dense, conv])["same"]
+    got = builtin_agreement([conv, T(workload_key="k-div", weight=1, name="matmul_div")],
+                            [T(workload_key="k-conv", weight=3, name="conv"), T(workload_key="k-mul", weight=1,
+                                                                                name="matmul_mul")])
+    assert not got["same"] and got["imported_only"] == ["matmul_div"] and got["builtin_only"] == ["matmul_mul"]
+    assert got["weights_differ"] == ["conv"]
