@@ -4,6 +4,12 @@ Each worker runs one job at a time from a pipe. A worker that dies (segfault, ab
 timeout is killed and replaced; its job comes back as an error, and the next job goes to a healthy
 worker. Workers are fresh interpreters (`python -c ...` over a socket pair), so no lock or thread state
 leaks in from the parent and the caller's main module is never re-imported.
+
+A job's timeout covers the job, not the start of the interpreter that runs it: a new worker says when it
+has imported its job function, and a job sent before that is timed from then. (Start-up, importing
+numpy and llvmlite, took seconds on a loaded 2-core machine; counted against the job, it turned a
+good program sent to a replacement worker into a timeout record, and a measured program is never
+measured again.) A worker that does not start within `startup_timeout` fails its job.
 """
 from __future__ import annotations
 
@@ -36,9 +42,13 @@ def _child_main() -> None:
     _worker_main(Connection(int(sys.argv[1])), sys.argv[2])
 
 
+_READY = ("ready",)            # a worker's first message: its job function is imported
+
+
 def _worker_main(conn: Connection, job_path: str) -> None:
     module, _, name = job_path.partition(":")
     fn = getattr(importlib.import_module(module), name)
+    conn.send(_READY)
     while True:
         try:
             payload = conn.recv()
@@ -65,7 +75,9 @@ class _Worker:
         child.close()
         self.conn = Connection(parent.detach())
         self.job: int | None = None
-        self.started = 0.0
+        self.started = 0.0                    # when the current job's clock started
+        self.spawned = time.perf_counter()
+        self.ready = False                    # has said it imported its job function
 
     @property
     def alive(self) -> bool:
@@ -87,8 +99,10 @@ class _Worker:
 class WorkerPool:
     """`map(payloads)` runs `job_path` ("module:function") on each payload in isolated processes."""
 
-    def __init__(self, job_path: str, n_workers: int = 1, timeout: float = 10.0, env: dict | None = None):
+    def __init__(self, job_path: str, n_workers: int = 1, timeout: float = 10.0, env: dict | None = None,
+                 startup_timeout: float = 120.0):
         self.job_path, self.n_workers, self.timeout = job_path, max(1, n_workers), timeout
+        self.startup_timeout = startup_timeout
         self.env = dict(env or {})
         self._workers: list[_Worker] = []
         self.restarts = 0
@@ -124,9 +138,16 @@ class WorkerPool:
             if not busy:
                 continue
             now = time.perf_counter()
-            wait_for = max(0.0, min(w.started + timeout - now for w in busy))
+            wait_for = max(0.0, min(self._deadline(w, timeout) - now for w in busy))
             ready = wait([w.conn for w in busy], timeout=wait_for)
             for w in list(busy):
+                if w.conn in ready and not w.ready:
+                    try:
+                        if w.conn.recv() == _READY:   # started: the job, already in its pipe, is timed from now
+                            w.ready, w.started = True, time.perf_counter()
+                            continue
+                    except (EOFError, OSError):
+                        pass
                 if w.conn in ready:
                     try:
                         ok, value, err, secs = w.conn.recv()
@@ -146,11 +167,16 @@ class WorkerPool:
                                                "crash", time.perf_counter() - w.started)
                     busy.remove(w)
                     self._replace(w)
-                elif time.perf_counter() - w.started >= timeout:
-                    results[w.job] = JobResult(False, None, f"timed out after {timeout:.1f} s", "timeout", timeout)
+                elif time.perf_counter() >= self._deadline(w, timeout):
+                    msg = (f"timed out after {timeout:.1f} s" if w.ready else
+                           f"the worker process did not start within {self.startup_timeout:.1f} s")
+                    results[w.job] = JobResult(False, None, msg, "timeout", timeout)
                     busy.remove(w)
                     self._replace(w)
         return results  # type: ignore[return-value]
+
+    def _deadline(self, w: _Worker, timeout: float) -> float:
+        return w.started + timeout if w.ready else w.spawned + self.startup_timeout
 
     def _replace(self, w: _Worker) -> None:
         w.kill()

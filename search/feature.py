@@ -9,8 +9,11 @@ that structure. Region sizes of stages computed inside other stages are inferred
 Deviations from feature.cc, on purpose: index coefficients are exact linear coefficients (not the
 pattern-matched approximation), `lines` divides by the extents of the loops it skipped (feature.cc
 divides by the innermost extent each time), serial read-write reuse between an init and an update
-statement is not modelled, and an attached stage's loops over a region of extent 1 are kept (TVM's
-lowering drops them, so num_loops differs there).
+statement is not modelled, an attached stage's loops over a region of extent 1 are kept (TVM's
+lowering drops them, so num_loops differs there), and unique_lines takes each buffer's contiguous run
+from that buffer's own touched region (feature.cc reuses the region of the last buffer it visited).
+Integer op counts include the index arithmetic of each dimension as written; feature.cc counts it in
+the flattened index, so it counts more for a buffer of two or more dimensions.
 
 A stage computed inside another one reads at the place its region starts, an expression of the
 enclosing loops (its readers' indices with their inner loops at 0), and its own buffer is indexed

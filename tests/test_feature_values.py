@@ -241,8 +241,17 @@ def test_strides_skipped_loops_and_partial_rows():
         # elements = one line. Reuse at k (32 times), one iteration, one element of each access.
         "W": buf("kRead", n * 4, 16 * 4, n / (8 * 32) * min(1, 16 * 4 / LINE), 1, 0, (1, 3 * 4, 32)),
     })
-    # ops over bytes with everything varying: one add per iteration over out + A's box + W's column
-    assert row["arith_intensity_curve_9"] == pytest.approx(n / ((n + 8 * 63 + 16) * 4))
+    # The arithmetic-intensity curve: (ops, bytes touched) at each loop level, innermost first, one add
+    # per iteration: k alone varies: 32 adds over out 32 + A 63 + W 1 elements; i and k: 8 * 32 adds
+    # over out 8*32 + A 8*63 + W 1; everything: n adds over out n + A 8*63 + W 16. The curve samples
+    # ops/bytes at ops = n/10, 2n/10, ..., n, interpolating linearly in ops between levels: every sample
+    # lies past the second level (256 ops), so between the second and the third.
+    levels = [(32, (32 + 63 + 1) * 4), (256, (8 * 32 + 8 * 63 + 1) * 4), (n, (n + 8 * 63 + 16) * 4)]
+    (o1, b1), (o2, b2) = levels[1], levels[2]
+    for t in range(10):
+        x = n * (t + 1) / 10
+        want = o1 / b1 + (o2 / b2 - o1 / b1) * (x - o1) / (o2 - o1)
+        assert row[f"arith_intensity_curve_{t}"] == pytest.approx(want, rel=1e-5), t
 
 
 def test_fused_parallel_loop_vectorized_tail_and_auto_unroll():
@@ -264,3 +273,38 @@ def test_fused_parallel_loop_vectorized_tail_and_auto_unroll():
     # both: stride 1 along j.1, all 64 x 32 touched, no loop leaves them unused
     assert_buffers(row, {name: buf(acc, n * 4, n * 4, n * 4 / LINE, n * 4 / LINE, 1, None)
                          for name, acc in (("B", "kWrite"), ("A", "kRead"))})
+
+
+def test_op_counts_cover_every_kind_of_operation():
+    """Each op counts once per iteration, times the loops around the store (feature.cc's MathOpCounter
+    over the stored value, load indices included; max/min and comparisons are `cmp`, & | ! are `bool`):
+
+        for j (0,32)
+          out[j] = select(A[j] > 0 && j < 24, exp(A[j]) / (1 + W[(3j + 1) // 8]),
+                          max(A[j], W[(3j + 1) // 8]) * 0.5 - 1)
+
+    One-dimensional buffers, so there is no index flattening for feature.cc to count beyond these."""
+    a, w = te.placeholder((32,), name="A"), te.placeholder((12,), name="W")
+    out = te.compute((32,), lambda j: te.if_then_else(
+        (a[j] > 0.0) & (j < 24), te.exp(a[j]) / (1.0 + w[(j * 3 + 1) // 8]),
+        te.maximum(a[j], w[(j * 3 + 1) // 8]) * 0.5 - 1.0), name="out")
+    row = rows(State(ComputeDAG([a, w, out])))["out"]
+    n = 32
+    assert_entries(row, outer_prod=n, num_loops=1,
+                   float_addsub=2 * n,      # 1 + W, ... - 1
+                   float_mul=n,             # * 0.5
+                   float_divmod=n,          # exp(..) / (..)
+                   float_cmp=2 * n,         # A > 0, max
+                   float_mathfunc=n,        # exp
+                   int_cmp=n,               # j < 24
+                   int_mul=2 * n, int_addsub=2 * n, int_divmod=2 * n,    # (3j + 1) // 8, in each W load
+                   bool_op=n,               # &
+                   select_op=n,
+                   float_mad=0, float_otherfunc=0, int_mad=0, int_mathfunc=0, int_otherfunc=0)
+    # W[(3j + 1) // 8]: j in [0, 31] reads W[0..11], all of W; one loop, so the curve is one point:
+    # 7 float ops per iteration over out 32 + A 32 + W 12 elements
+    assert_entries(row, **{f"arith_intensity_curve_{t}": 7 * n / ((32 + 32 + 12) * 4) for t in range(10)})
+    assert_buffers(row, {
+        "out": buf("kWrite", n * 4, n * 4, n * 4 / LINE, n * 4 / LINE, 1, None),
+        "A": buf("kRead", n * 4, n * 4, n * 4 / LINE, n * 4 / LINE, 1, None),
+    } | {"W": {"acc_type.kRead": 1, "bytes": n * 4, "unique_bytes": 12 * 4, "reuse_type.kNoReuse": 1}})

@@ -19,7 +19,10 @@ from flows.tuning import default_seeds, network_tasks
 from storage.records import RecordStore
 from tests.test_flow_tune import read_back
 
-BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]
+# the console script pip installs; without one (a checkout run in place), the same entry point
+SCRIPT = Path(sys.executable).with_name("tensortune")
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-c", "from flows.cli import main; main()"]
 TRIALS = 36                 # resnet-18 has 18 tasks: each gets its default schedule and one sampled program
 
 
@@ -37,9 +40,11 @@ def run(tmp_path_factory):
     records, port = str(tmp / "records"), _free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp / "prefect-home")          # a fresh server database and profile
+    # the code under test is this checkout's, whichever checkout the environment was installed from
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     out_path = tmp / "stdout.txt"
     with open(out_path, "w") as out:
-        proc = subprocess.Popen([str(BIN / "tensortune"), "tune", "resnet-18", "--image-size", "32", "--trials",
+        proc = subprocess.Popen([*COMMAND, "tune", "resnet-18", "--image-size", "32", "--trials",
                                  str(TRIALS), "--population", "16", "--records", records, "--port", str(port)],
                                 cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         try:
