@@ -46,7 +46,7 @@ def matmul_schedule(dag, ib: int = 128, jb: int = 256, kb: int = 64, ri: int = 8
     the classic Haswell sgemm kernel) with packing won on a Zen 3 EPYC: 0.75-0.97x numpy where the
     unpacked 4 x 16 ran at 0.5x.
     """
-    from schedule.state import State
+    from tensortune.schedule.state import State
     s = State(dag).cache_write("C", "local")
     if pack:
         s = s.cache_read("B", "local", ["C.local"])
@@ -60,7 +60,7 @@ def matmul_schedule(dag, ib: int = 128, jb: int = 256, kb: int = 64, ri: int = 8
 
 def conv_relu_schedule(dag, f1: int = 2, f2: int = 8, y1: int = 28, y2: int = 2, x2: int = 8, rc: int = 64):
     """The relu loop nest tiles (f, y, x) and computes the conv per tile: an f2 x y2 x x2 register tile."""
-    from schedule.state import State
+    from tensortune.schedule.state import State
     r, c = "T_relu", "conv2d_nchw"
     s = State(dag)
     s = s.split(r, 1, [f1, f2]).split(r, 4, [y1, y2]).split(r, 7, [x2])
@@ -86,11 +86,11 @@ def main(argv: list[str]) -> int:
 
 
 def run_all(args, torch) -> int:
-    from codegen.measure import LocalBuilder, LocalRunner
-    from codegen.target import make_task
-    from codegen.timing import TimingConfig
-    from schedule.state import State
-    from tasks.workload_registry import make_dag
+    from tensortune.codegen.measure import LocalBuilder, LocalRunner
+    from tensortune.codegen.target import make_task
+    from tensortune.codegen.timing import TimingConfig
+    from tensortune.schedule.state import State
+    from tensortune.tasks.workload_registry import make_dag
 
     env = environment(args.threads)
     peak_all = env["fma_peak_gflops"].get(str(args.threads), env["fma_peak_gflops"]["1"])

@@ -249,7 +249,7 @@ def threads_used(ours_target: str | None = None, ort_session=None) -> dict:
     out: dict = {"blas": [f"{i['internal_api']} {i.get('version', '')} x{i['num_threads']}"
                           for i in threadpool_info() if i["user_api"] == "blas"]}
     if ours_target is not None:
-        from codegen.target import parse_target
+        from tensortune.codegen.target import parse_target
         out["tensortune"] = parse_target(ours_target).num_threads
     if "torch" in sys.modules:
         out["torch"] = sys.modules["torch"].get_num_threads()
@@ -406,8 +406,8 @@ def measure_fma_peak(threads: int) -> float:
 
     import llvmlite.binding as llvm
 
-    from codegen.llvm_backend import _init, _new_target_machine, compile_ir
-    from codegen.target import parse_target
+    from tensortune.codegen.llvm_backend import _init, _new_target_machine, compile_ir
+    from tensortune.codegen.target import parse_target
     _init()
     target = parse_target("llvm")
     lanes = max(4, target.hardware.vector_unit_bytes // 4)

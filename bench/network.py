@@ -206,8 +206,8 @@ def tune(name: str, tasks: list, trials: int, strategies: list[str], seed: int, 
     from a copy of its records, so all start from the same programs, cost model and bests, and they take
     turns, one round each, on one measurer, so that this VM's drift (which moved a task's timings by 30%
     within minutes) hits them alike. Curves and times include the warm-up."""
-    from flows.tuning import NetworkTuner
-    from storage.records import RecordStore
+    from tensortune.flows.tuning import NetworkTuner
+    from tensortune.storage.records import RecordStore
     home = records or tempfile.mkdtemp(prefix="tensortune-bench-network-")
 
     def tuner(label: str, budget: int, strategy: str = "round-robin") -> NetworkTuner:
@@ -275,10 +275,10 @@ def network_options(name: str, args) -> dict:
 
 
 def bench_network(name: str, args, torch, folder: str) -> dict:
-    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
-    from codegen.network_runtime import NETWORK_TOLERANCE, build_network
-    from flows.tuning import network_tasks
-    from tasks.onnx_import import import_onnx
+    from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+    from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, build_network
+    from tensortune.flows.tuning import network_tasks
+    from tensortune.tasks.onnx_import import import_onnx
     options = network_options(name, args)
     target = llvm_target(args.threads)
     torch.manual_seed(args.seed)

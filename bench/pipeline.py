@@ -36,11 +36,11 @@ def _free_port() -> int:
 
 
 def run_direct(workload: str, args: list, trials: int, params, seed: int, records: str) -> dict:
-    from codegen.measure import ProgramMeasurer
-    from codegen.target import make_task
-    from flows.tuning import tune_task
-    from storage.records import RecordStore
-    from tasks.workload_registry import make_dag
+    from tensortune.codegen.measure import ProgramMeasurer
+    from tensortune.codegen.target import make_task
+    from tensortune.flows.tuning import tune_task
+    from tensortune.storage.records import RecordStore
+    from tensortune.tasks.workload_registry import make_dag
     with Stopwatch() as watch:
         task = make_task(make_dag(workload, *args))
         with ProgramMeasurer() as measurer:
@@ -55,7 +55,7 @@ def run_direct(workload: str, args: list, trials: int, params, seed: int, record
 
 
 def run_flow(workload: str, args: list, trials: int, params, seed: int, records: str) -> dict:
-    from flows.tune_flow import tune_op_flow
+    from tensortune.flows.tune_flow import tune_op_flow
     search = {k: v for k, v in params.as_dict().items() if k != "num_measures_per_round"}
     with Stopwatch() as watch:
         state = tune_op_flow(workload, list(args), trials=trials, records=records,
@@ -76,12 +76,12 @@ def run_flow(workload: str, args: list, trials: int, params, seed: int, records:
 
 def compare_batches(workload: str, args: list, per_round: int, batches: int, seed: int) -> list[dict]:
     """The same candidates measured by ProgramMeasurer and by DaskMeasurer on a LocalCluster, alternating."""
-    from codegen.measure import ProgramMeasurer
-    from codegen.target import make_task
-    from flows.dask_cluster import dask_client
-    from flows.dask_measure import DaskMeasurer
-    from search.sketch_policy import SearchParams, SketchPolicy
-    from tasks.workload_registry import make_dag
+    from tensortune.codegen.measure import ProgramMeasurer
+    from tensortune.codegen.target import make_task
+    from tensortune.flows.dask_cluster import dask_client
+    from tensortune.flows.dask_measure import DaskMeasurer
+    from tensortune.search.sketch_policy import SearchParams, SketchPolicy
+    from tensortune.tasks.workload_registry import make_dag
     task = make_task(make_dag(workload, *args))
     policy = SketchPolicy(task, params=SearchParams(population=256, sample_init_population=256), seed=seed)
     steps = [c.steps_json for c in policy.next_batch(per_round)]
@@ -118,8 +118,8 @@ def main(argv: list[str]) -> int:
     os.environ.pop("PREFECT_API_URL", None)
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.prefect_server import start_server
-    from search.sketch_policy import SearchParams
+    from tensortune.flows.prefect_server import start_server
+    from tensortune.search.sketch_policy import SearchParams
     params = SearchParams(population=args.population, sample_init_population=args.population,
                           num_measures_per_round=args.per_round)
     wl_args = [int(a) for a in args.args.split(",") if a]

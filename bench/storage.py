@@ -20,8 +20,8 @@ from typing import Callable
 import numpy as np
 
 from bench.common import Stopwatch, environment
-from storage.records import RecordStore
-from storage.synthetic import synthetic_batch, workload_key
+from tensortune.storage.records import RecordStore
+from tensortune.storage.synthetic import synthetic_batch, workload_key
 
 TARGET = "llvm -mcpu=emeraldrapids"
 

@@ -34,7 +34,8 @@ from bench.common import (
     torch_threads,
     write_json,
 )
-from search.cost_model import RandomModel, XGBModel
+from tensortune.search.cost_model import RandomModel, XGBModel
+from tensortune.search.sketch_policy import SearchParams
 
 WORKLOADS = {
     "matmul": ("matmul", (1024, 1024, 1024), "numpy"),
@@ -85,10 +86,9 @@ class SameGenerationsRandomModel(RandomModel):
 
 def run_one(key: str, trials: int, model: str, crossover: float, measurer, seed: int, per_round: int,
             overrides: dict | None = None, threads: int = 2):
-    from codegen.target import make_task
-    from flows.tuning import tune_task
-    from search.sketch_policy import SearchParams
-    from tasks.workload_registry import make_dag
+    from tensortune.codegen.target import make_task
+    from tensortune.flows.tuning import tune_task
+    from tensortune.tasks.workload_registry import make_dag
     name, args, _ = WORKLOADS[key]
     task = make_task(make_dag(name, *args), llvm_target(threads))
     params = SearchParams(**{"crossover_prob": crossover, "num_measures_per_round": per_round, **(overrides or {})})
@@ -114,8 +114,8 @@ def retime_against_library(key: str, task, fastest: list, threads: int, pairs: i
     reference, so a wrong program fails its pairs. The runner is the only one alive: two processes'
     thread pools meeting on two cores can put a kernel into a slow mode that costs milliseconds per
     parallel region (README, "Tuning one operator")."""
-    from codegen.measure import LocalRunner
-    from codegen.timing import TimingConfig
+    from tensortune.codegen.measure import LocalRunner
+    from tensortune.codegen.timing import TimingConfig
     lib, fn = library_fn(key, task.dag, threads)
     candidates = [steps for _, steps in fastest[:top]]
     builds = retime_builds(task, candidates) if candidates else []
@@ -160,8 +160,8 @@ def retimed(key: str, task, fastest: list, threads: int, peak: float, pairs: int
 
 def retime_file(path: str, keys: list[str], threads: int, peak: float, pairs: int = PAIRS) -> list[dict]:
     """Re-time the fastest programs a previous run wrote (its `fastest_seen`), without searching again."""
-    from codegen.target import make_task
-    from tasks.workload_registry import make_dag
+    from tensortune.codegen.target import make_task
+    from tensortune.tasks.workload_registry import make_dag
     rows = []
     for row in read_json_rows(path):
         if row["workload"] not in keys:
@@ -181,7 +181,7 @@ def print_row(row: dict) -> None:
 
 
 def retime_builds(task, steps: list[str]):
-    from codegen.measure import LocalBuilder
+    from tensortune.codegen.measure import LocalBuilder
     b = LocalBuilder(n_parallel=1)
     try:
         return b.build(task, steps)
@@ -213,11 +213,11 @@ def plot(curves: dict, path: str) -> None:
 
 def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
     """Each workload (and ablation run) searched with its own measurer, then re-timed."""
-    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+    from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
     overrides = {}
     for item in args.param:
         k, _, v = item.partition("=")
-        overrides[k] = type(getattr(__import__("search.sketch_policy", fromlist=["SearchParams"]).SearchParams(), k))(v)
+        overrides[k] = type(getattr(SearchParams(), k))(v)
     rows, curves = [], {}
     runs = [("xgb", 0.05, "xgb+crossover")]
     if args.ablate:

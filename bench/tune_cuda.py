@@ -37,7 +37,7 @@ GPU_BATCHES, GPU_MIN_BATCH_MS = 5, 200.0      # both sides: median of 5 batches 
 
 def resnet50_convs() -> list[tuple[tuple, int]]:
     """((N, H, W, CI, CO, KH, KW, stride, pad), how many layers have it) for ResNet-50's convs."""
-    from tasks.models import make_network
+    from tensortune.tasks.models import make_network
     g = make_network("resnet-50")
     seen: dict[tuple, int] = {}
     for n in g.nodes:
@@ -81,9 +81,9 @@ def verify_job(payload: tuple) -> tuple[float, str]:
     kernel is timed (one side of one pair of bench.common.compare)."""
     import numpy as np
 
-    from codegen.cuda_backend import CUDAKernel
-    from tasks.reference import mismatch
-    from tasks.search_task import SearchTask
+    from tensortune.codegen.cuda_backend import CUDAKernel
+    from tensortune.tasks.reference import mismatch
+    from tensortune.tasks.search_task import SearchTask
     task_json, artifact, conv, check = payload
     task = SearchTask.from_json(task_json)
     dag = task.dag
@@ -241,14 +241,14 @@ def main(argv: list[str]) -> int:
             write_json(args.json, rows, env, benchmark="tune-cuda")
         return 0
 
-    from codegen.cuda_backend import device_target
-    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
-    from codegen.target import make_task
-    from codegen.timing import TimingConfig
-    from codegen.worker_pool import WorkerPool
-    from flows.tuning import tune_task
-    from search.sketch_policy import SearchParams
-    from tasks.workload_registry import make_dag
+    from tensortune.codegen.cuda_backend import device_target
+    from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+    from tensortune.codegen.target import make_task
+    from tensortune.codegen.timing import TimingConfig
+    from tensortune.codegen.worker_pool import WorkerPool
+    from tensortune.flows.tuning import tune_task
+    from tensortune.search.sketch_policy import SearchParams
+    from tensortune.tasks.workload_registry import make_dag
 
     target = device_target() if args.target.strip() == "cuda" else args.target
     items = workloads(args.workloads)

@@ -23,14 +23,14 @@ from typing import Sequence
 
 import numpy as np
 
-from codegen.artifact import Artifact
-from codegen.cuda_codegen import CudaCodegenError, CudaModule, generate_cuda
-from codegen.gpu_device import device_hardware_params
-from codegen.lower import LoweringError, lower
-from codegen.target import Target, parse_target
-from codegen.timing import ErrorCode, load_reference, reference_file
-from schedule.state import State
-from tasks.search_task import HardwareParams, SearchTask
+from tensortune.codegen.artifact import Artifact
+from tensortune.codegen.cuda_codegen import CudaCodegenError, CudaModule, generate_cuda
+from tensortune.codegen.gpu_device import device_hardware_params
+from tensortune.codegen.lower import LoweringError, lower
+from tensortune.codegen.target import Target, parse_target
+from tensortune.codegen.timing import ErrorCode, load_reference, reference_file
+from tensortune.schedule.state import State
+from tensortune.tasks.search_task import HardwareParams, SearchTask
 
 DEFAULT_TARGET = "cuda -arch=sm_90"
 NVCC_ENV = "TENSORTUNE_NVCC"
@@ -268,7 +268,7 @@ def run_artifact(task: SearchTask, artifact: Artifact, cfg) -> tuple[list[float]
     faults costs its own record: the context is rebuilt, or the runner process ends (exit code
     FAULT_EXIT_CODE) when the fault is sticky, so never call this where a fault must not end the
     process — CUDAKernel is the in-process way."""
-    from tasks.reference import mismatch
+    from tensortune.tasks.reference import mismatch
     try:
         kernel = CUDAKernel(artifact)
     except ImportError as err:

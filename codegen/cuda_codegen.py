@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from codegen.ir import (
+from tensortune.codegen.ir import (
     Allocate,
     Barrier,
     Buffer,
@@ -29,10 +29,10 @@ from codegen.ir import (
     uses,
     walk_stmts,
 )
-from codegen.lower import THREAD_ALLREDUCE
-from tasks import te
-from tasks.arith import const_bounds
-from tasks.te import DTYPE_BYTES, Expr, Var
+from tensortune.codegen.lower import THREAD_ALLREDUCE
+from tensortune.tasks import te
+from tensortune.tasks.arith import const_bounds
+from tensortune.tasks.te import DTYPE_BYTES, Expr, Var
 
 GRID_AXES = ("blockIdx.x", "blockIdx.y", "blockIdx.z")
 BLOCK_AXES = ("threadIdx.x", "threadIdx.y", "threadIdx.z")

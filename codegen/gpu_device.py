@@ -2,7 +2,7 @@
 machines never load it)."""
 from __future__ import annotations
 
-from tasks.search_task import HardwareParams
+from tensortune.tasks.search_task import HardwareParams
 
 
 def device_hardware_params(device: int = 0) -> tuple[str, HardwareParams]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator as PyIterator
 
-from tasks import te
-from tasks.te import Expr, Var
+from tensortune.tasks import te
+from tensortune.tasks.te import Expr, Var
 
 
 @dataclass(eq=False)

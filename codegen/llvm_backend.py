@@ -14,15 +14,15 @@ from functools import lru_cache
 import llvmlite.binding as llvm
 import numpy as np
 
-from codegen.artifact import Artifact
-from codegen.ir import LoweredFunc
-from codegen.llvm_codegen import generate_llvm_ir
-from codegen.lower import lower
-from codegen.target import Target, parse_target
-from codegen.timing import ErrorCode, TimingConfig, flush_cpu_cache, load_reference, time_runs
-from schedule.state import State
-from tasks.reference import mismatch
-from tasks.search_task import SearchTask
+from tensortune.codegen.artifact import Artifact
+from tensortune.codegen.ir import LoweredFunc
+from tensortune.codegen.llvm_codegen import generate_llvm_ir
+from tensortune.codegen.lower import lower
+from tensortune.codegen.target import Target, parse_target
+from tensortune.codegen.timing import ErrorCode, TimingConfig, flush_cpu_cache, load_reference, time_runs
+from tensortune.schedule.state import State
+from tensortune.tasks.reference import mismatch
+from tensortune.tasks.search_task import SearchTask
 
 _lock = threading.Lock()
 

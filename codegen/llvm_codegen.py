@@ -11,10 +11,22 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from codegen.ir import Allocate, Barrier, BufferLoad, For, IfThenElse, LoweredFunc, Seq, Stmt, Store, stmt_exprs, uses
-from tasks import te
-from tasks.arith import const_bounds
-from tasks.te import DTYPE_BYTES, Expr, Var
+from tensortune.codegen.ir import (
+    Allocate,
+    Barrier,
+    BufferLoad,
+    For,
+    IfThenElse,
+    LoweredFunc,
+    Seq,
+    Stmt,
+    Store,
+    stmt_exprs,
+    uses,
+)
+from tensortune.tasks import te
+from tensortune.tasks.arith import const_bounds
+from tensortune.tasks.te import DTYPE_BYTES, Expr, Var
 
 STACK_LIMIT_BYTES = 64 * 1024
 
@@ -594,7 +606,7 @@ class LLVMCodegen:
         ty = _LLTYPE[dtype]
         is_float = te.is_float(dtype)
         if a.is_const and b.is_const and not is_float:
-            from tasks.te import _fold
+            from tensortune.tasks.te import _fold
             if not (op in ("floordiv", "floormod") and b.const == 0):
                 return Val(ty, const=_fold(op, a.const, b.const))
         if not is_float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from codegen.ir import (
+from tensortune.codegen.ir import (
     Allocate,
     Barrier,
     Buffer,
@@ -24,12 +24,12 @@ from codegen.ir import (
     seq,
     walk_stmts,
 )
-from schedule.loop_structure import loop_structure
-from schedule.stage import GPU_BINDINGS, Stage
-from schedule.state import State
-from tasks import te
-from tasks.arith import Affine, affine_max, affine_min, const_bounds, simplify, symbolic_bounds
-from tasks.te import Expr, Load, Var
+from tensortune.schedule.loop_structure import loop_structure
+from tensortune.schedule.stage import GPU_BINDINGS, Stage
+from tensortune.schedule.state import State
+from tensortune.tasks import te
+from tensortune.tasks.arith import Affine, affine_max, affine_min, const_bounds, simplify, symbolic_bounds
+from tensortune.tasks.te import Expr, Load, Var
 
 AUTO_UNROLL_MAX_DEPTH = 8
 THREAD_ALLREDUCE = "tvm_thread_allreduce"     # cuda: Call name prefix of a block-level all-reduce

@@ -15,10 +15,10 @@ from typing import Sequence
 
 import numpy as np
 
-from codegen.artifact import Artifact
-from codegen.timing import ErrorCode, TimingConfig, reference_file
-from codegen.worker_pool import JobResult, WorkerPool
-from tasks.search_task import SearchTask
+from tensortune.codegen.artifact import Artifact
+from tensortune.codegen.timing import ErrorCode, TimingConfig, reference_file
+from tensortune.codegen.worker_pool import JobResult, WorkerPool
+from tensortune.tasks.search_task import SearchTask
 
 
 @dataclass
@@ -58,13 +58,13 @@ def _task(task_json: str) -> SearchTask:
 def build_job(payload: tuple) -> Artifact:
     """(task_json, steps_json, keep_source) -> Artifact; runs in a builder process."""
     task_json, steps_json, keep_source = payload
-    from schedule.state import State
+    from tensortune.schedule.state import State
     task = _task(task_json)
     state = State.from_json(task.dag, steps_json)
     if task.target_kind == "cuda":
-        from codegen.cuda_backend import build as build_cuda
+        from tensortune.codegen.cuda_backend import build as build_cuda
         return build_cuda(state, task.target, keep_source, hardware=task.hardware)
-    from codegen.llvm_backend import build
+    from tensortune.codegen.llvm_backend import build
     return build(state, task.target, keep_source)
 
 
@@ -72,9 +72,9 @@ def run_job(payload: tuple) -> tuple[list[float], int, str]:
     """(task_json, artifact, TimingConfig) -> (costs, error_code, message); runs in a runner process."""
     task_json, artifact, cfg = payload
     if artifact.kind == "cuda":
-        from codegen.cuda_backend import run_artifact as run_cuda
+        from tensortune.codegen.cuda_backend import run_artifact as run_cuda
         return run_cuda(_task(task_json), artifact, cfg)
-    from codegen.llvm_backend import run_artifact as run_llvm
+    from tensortune.codegen.llvm_backend import run_artifact as run_llvm
     return run_llvm(_task(task_json), artifact, cfg)
 
 
@@ -95,7 +95,7 @@ class LocalBuilder:
     """Builds candidates in parallel processes (one per core by default)."""
 
     def __init__(self, n_parallel: int | None = None, timeout: float = 15.0):
-        self.pool = WorkerPool("codegen.measure:build_job", n_parallel or (os.cpu_count() or 1), timeout)
+        self.pool = WorkerPool("tensortune.codegen.measure:build_job", n_parallel or (os.cpu_count() or 1), timeout)
 
     def build(self, task: SearchTask, steps_list: Sequence[str], keep_source: bool = False) -> list[BuildResult]:
         tj = task.to_json()
@@ -120,7 +120,7 @@ class LocalRunner:
         """env: extra environment for the runner processes. A kernel's thread count is its target's,
         compiled in: OMP_NUM_THREADS here cannot change it (name `-num-threads` in the target instead)."""
         self.config = config
-        self.pool = WorkerPool("codegen.measure:run_job", n_parallel, timeout, env)
+        self.pool = WorkerPool("tensortune.codegen.measure:run_job", n_parallel, timeout, env)
 
     def run(self, task: SearchTask, builds: Sequence[BuildResult]) -> list[MeasureResult]:
         tj = task.to_json()

@@ -16,14 +16,14 @@ from typing import Mapping
 
 import numpy as np
 
-from codegen.llvm_backend import LLVMKernel, build
-from codegen.lower import LoweringError
-from codegen.target import parse_target
-from schedule.default_schedule import default_schedule
-from schedule.stage import IllegalStep
-from schedule.state import State
-from tasks.extract import NetworkTasks
-from tasks.graph import contiguous
+from tensortune.codegen.llvm_backend import LLVMKernel, build
+from tensortune.codegen.lower import LoweringError
+from tensortune.codegen.target import parse_target
+from tensortune.schedule.default_schedule import default_schedule
+from tensortune.schedule.stage import IllegalStep
+from tensortune.schedule.state import State
+from tensortune.tasks.extract import NetworkTasks
+from tensortune.tasks.graph import contiguous
 
 ALIGN = 64
 

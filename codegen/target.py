@@ -6,8 +6,8 @@ import shlex
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from tasks.compute_dag import ComputeDAG
-from tasks.search_task import HardwareParams, SearchTask
+from tensortune.tasks.compute_dag import ComputeDAG
+from tensortune.tasks.search_task import HardwareParams, SearchTask
 
 
 class TargetError(ValueError):
@@ -107,7 +107,7 @@ def _local_gpu() -> Target | None:
     """The first GPU of this machine as a target (arch and limits read from the driver), if pycuda finds
     one; without one a bare "cuda" means sm_90 with the usual limits."""
     try:
-        from codegen.gpu_device import device_hardware_params
+        from tensortune.codegen.gpu_device import device_hardware_params
         arch, hw = device_hardware_params(0)
     except Exception:  # noqa: BLE001 - no pycuda, no driver or no GPU: the string's defaults stand
         return None

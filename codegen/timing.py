@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from tasks.search_task import SearchTask
+from tensortune.tasks.search_task import SearchTask
 
 
 class ErrorCode(IntEnum):
@@ -106,7 +106,7 @@ def reference_file(task: SearchTask, cache_dir: str | None = None) -> str:
     on disk so every runner process loads them instead of recomputing."""
     import tempfile
 
-    from tasks.reference import evaluate
+    from tensortune.tasks.reference import evaluate
     folder = cache_dir or os.path.join(tempfile.gettempdir(), "tensortune-reference")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{task.workload_key}-{REFERENCE_SEED}.npz")

@@ -69,7 +69,7 @@ class _Worker:
     def __init__(self, job_path: str, env: dict):
         parent, child = socket.socketpair()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from codegen.worker_pool import _child_main; _child_main()",
+            [sys.executable, "-c", "from tensortune.codegen.worker_pool import _child_main; _child_main()",
              str(child.fileno()), job_path],
             pass_fds=[child.fileno()], env={**os.environ, **env}, stdin=subprocess.DEVNULL)
         child.close()

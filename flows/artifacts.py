@@ -19,7 +19,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from flows.tuned_network import GAP_WARNING, TunedNetworkTiming
+from tensortune.flows.tuned_network import GAP_WARNING, TunedNetworkTiming
 
 
 def network_label(network: str) -> str:

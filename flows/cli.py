@@ -5,8 +5,8 @@ this file the single entry point (and `flows.cli.app` the app with every command
 """
 from __future__ import annotations
 
-from flows import flow_cli, history_cli, network_cli, tune_cli  # noqa: F401 - each adds its commands
-from flows.cli_app import app
+from tensortune.flows import flow_cli, history_cli, network_cli, tune_cli  # noqa: F401 - each adds its commands
+from tensortune.flows.cli_app import app
 
 
 def main() -> None:

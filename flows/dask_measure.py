@@ -24,10 +24,10 @@ from typing import Sequence
 
 from distributed import Client, Future, wait
 
-from codegen.measure import BuildResult, LocalBuilder, LocalRunner, MeasureResult
-from codegen.timing import ErrorCode, TimingConfig
-from flows.dask_cluster import build_resource, measure_resource, require_resource
-from tasks.search_task import SearchTask
+from tensortune.codegen.measure import BuildResult, LocalBuilder, LocalRunner, MeasureResult
+from tensortune.codegen.timing import ErrorCode, TimingConfig
+from tensortune.flows.dask_cluster import build_resource, measure_resource, require_resource
+from tensortune.tasks.search_task import SearchTask
 
 # ------------------------------------------------------------------ worker side
 # Per-process caches, one set per Dask worker process, created lazily on first use and living as long

@@ -15,8 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flows.cli_app import app
-from flows.network_cli import (
+from tensortune.flows.cli_app import app
+from tensortune.flows.network_cli import (
     BatchOption,
     ImageSizeOption,
     InputShapeOption,
@@ -27,7 +27,7 @@ from flows.network_cli import (
     ThreadsOption,
     with_threads,
 )
-from flows.tuned_network import GAP_WARNING
+from tensortune.flows.tuned_network import GAP_WARNING
 
 console = Console(width=max(120, Console().width))
 
@@ -81,12 +81,12 @@ def tune(network: NetworkArg,
     """Tune a network as a Prefect flow with Dask-measured rounds, resuming from the record store."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from codegen.target import TargetError, parse_target
-    from flows.dask_cluster import ClusterError
-    from flows.prefect_server import PrefectServerError, ensure_server
-    from flows.tune_flow import tune_network_flow
+    from tensortune.codegen.target import TargetError, parse_target
+    from tensortune.flows.dask_cluster import ClusterError
+    from tensortune.flows.prefect_server import PrefectServerError, ensure_server
+    from tensortune.flows.tune_flow import tune_network_flow
     url = _records_url(records)
-    from search.task_scheduler import network_objective
+    from tensortune.search.task_scheduler import network_objective
     try:                                      # bad input fails before anything starts
         parse_target(with_threads(target, threads))
         if objective is not None or reference_ms is not None:

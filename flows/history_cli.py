@@ -10,9 +10,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flows.cli_app import app
-from storage.integrity import BadFileError
-from storage.records import DEFAULT_ROOT, RecordStore
+from tensortune.flows.cli_app import app
+from tensortune.storage.integrity import BadFileError
+from tensortune.storage.records import DEFAULT_ROOT, RecordStore
 
 RecordsOption = Annotated[str, typer.Option(
     "--records", envvar="TENSORTUNE_RECORDS",

@@ -8,11 +8,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flows.cli_app import app
-from tasks.extract import ExtractError, NetworkTasks, extract_tasks
-from tasks.graph import Graph
-from tasks.graph_ops import GraphError
-from tasks.models import load_graph, network_names
+from tensortune.flows.cli_app import app
+from tensortune.tasks.extract import ExtractError, NetworkTasks, extract_tasks
+from tensortune.tasks.graph import Graph
+from tensortune.tasks.graph_ops import GraphError
+from tensortune.tasks.models import load_graph, network_names
 
 NetworkArg = Annotated[str, typer.Argument(
     help=f"A network ({', '.join(network_names())}) or the path of an .onnx model.")]
@@ -60,7 +60,7 @@ def extract(network: NetworkArg, batch: BatchOption = None, seq_len: SeqLenOptio
             layers: LayersOption = None, image_size: ImageSizeOption = None,
             input_shape: InputShapeOption = None, target: TargetOption = "llvm") -> None:
     """The network's tuning tasks: fused subgraphs deduplicated by workload key, with weights and FLOPs."""
-    from codegen.target import TargetError, make_task
+    from tensortune.codegen.target import TargetError, make_task
     graph = _load(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                   input_shapes=input_shape)
     net = _extract(graph)
@@ -97,9 +97,9 @@ def run_network(network: NetworkArg,
 
     The network runs on the thread count its records were tuned with (the target they were measured
     on), unless --threads or a target with -num-threads says otherwise."""
-    from codegen.target import TargetError
-    from flows.tuned_network import measure_tuned_network
-    from storage.records import RecordStore
+    from tensortune.codegen.target import TargetError
+    from tensortune.flows.tuned_network import measure_tuned_network
+    from tensortune.storage.records import RecordStore
     graph = _load(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                   input_shapes=input_shape)
     net = _extract(graph)

@@ -15,14 +15,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from schedule.stage import IllegalStep
-from schedule.state import State
-from search.candidate import Candidate
-from search.cost_model import CostModel, RandomModel, XGBModel
-from search.feature_pool import Featurizer
-from storage.models import ModelStore
-from storage.records import RecordStore
-from tasks.search_task import SearchTask
+from tensortune.schedule.stage import IllegalStep
+from tensortune.schedule.state import State
+from tensortune.search.candidate import Candidate
+from tensortune.search.cost_model import CostModel, RandomModel, XGBModel
+from tensortune.search.feature_pool import Featurizer
+from tensortune.storage.models import ModelStore
+from tensortune.storage.records import RecordStore
+from tensortune.tasks.search_task import SearchTask
 
 MODEL_KIND = "xgb-packsum"
 

@@ -7,7 +7,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from flows.cli_app import app
+from tensortune.flows.cli_app import app
 
 console = Console()
 
@@ -18,7 +18,7 @@ def print_code(text: str) -> None:
 
 
 def loop_nest(state, task) -> str:
-    from codegen.lower import lower
+    from tensortune.codegen.lower import lower
     return lower(state, target_kind="cuda" if task.target_kind == "cuda" else "cpu").text()
 
 
@@ -45,8 +45,8 @@ def parse_args(text: str) -> tuple[list, dict]:
 
 
 def _task(op: str, args: str, target: str):
-    from codegen.target import make_task
-    from tasks.workload_registry import make_dag
+    from tensortune.codegen.target import make_task
+    from tensortune.tasks.workload_registry import make_dag
     pos, kw = parse_args(args)
     try:
         return make_task(make_dag(op, *pos, **kw), target)
@@ -65,10 +65,10 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
             per_round: int = typer.Option(64, help="measurements per round"),
             seed: int = typer.Option(0)) -> None:
     """Tune one operator and print the best program's schedule and loop nest."""
-    from flows.tuning import tune_task
-    from schedule.state import State
-    from search.sketch_policy import SearchParams
-    from storage.records import RecordStore
+    from tensortune.flows.tuning import tune_task
+    from tensortune.schedule.state import State
+    from tensortune.search.sketch_policy import SearchParams
+    from tensortune.storage.records import RecordStore
     task = _task(op, args, target)
     store = RecordStore(records) if records else None
     console.print(f"tuning [bold]{task.name}[/bold] ({task.flops / 1e9:.3f} GFLOP) on {task.target}, "
@@ -109,10 +109,10 @@ def show(op: str = typer.Argument(..., help="registered workload"),
          records: str = typer.Option("./tuning-records"),
          target: str = typer.Option("llvm")) -> None:
     """Print a schedule as TVM prints a State and as the lowered loop nest."""
-    from flows.tuning import best_steps
-    from schedule.stage import IllegalStep
-    from schedule.state import State
-    from storage.records import RecordStore
+    from tensortune.flows.tuning import best_steps
+    from tensortune.schedule.stage import IllegalStep
+    from tensortune.schedule.state import State
+    from tensortune.storage.records import RecordStore
     task = _task(op, args, target)
     if not steps and records:
         import os

@@ -21,22 +21,22 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from codegen.measure import MeasureResult
-from codegen.timing import TimingConfig
-from flows import artifacts
-from flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, CPU_RESOURCE, dask_client, local_resources
-from flows.dask_measure import DaskMeasurer
-from flows.retrain import NewestModel, Trainer, load_newest, retrain
-from flows.tuned_network import GAP_WARNING, TunedNetworkTiming, measure_tuned_network_job
-from flows.tuning import default_seeds, learn, propose, resume_policy
-from search.candidate import Candidate
-from search.sketch_policy import SearchParams, SketchPolicy
-from search.task_scheduler import INF_COST, TaskScheduler, network_objective
-from storage.models import ModelStore
-from storage.records import DEFAULT_ROOT, RecordStore
-from tasks.extract import NetworkTasks
-from tasks.models import load_graph
-from tasks.search_task import SearchTask
+from tensortune.codegen.measure import MeasureResult
+from tensortune.codegen.timing import TimingConfig
+from tensortune.flows import artifacts
+from tensortune.flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, CPU_RESOURCE, dask_client, local_resources
+from tensortune.flows.dask_measure import DaskMeasurer
+from tensortune.flows.retrain import NewestModel, Trainer, load_newest, retrain
+from tensortune.flows.tuned_network import GAP_WARNING, TunedNetworkTiming, measure_tuned_network_job
+from tensortune.flows.tuning import default_seeds, learn, propose, resume_policy
+from tensortune.search.candidate import Candidate
+from tensortune.search.sketch_policy import SearchParams, SketchPolicy
+from tensortune.search.task_scheduler import INF_COST, TaskScheduler, network_objective
+from tensortune.storage.models import ModelStore
+from tensortune.storage.records import DEFAULT_ROOT, RecordStore
+from tensortune.tasks.extract import NetworkTasks
+from tensortune.tasks.models import load_graph
+from tensortune.tasks.search_task import SearchTask
 
 _STEP = dict(cache_policy=NONE, persist_result=False)    # task runs pass live objects: never hash or store them
 
@@ -86,7 +86,7 @@ class Session:
 @task(name="extract-tasks", **_STEP)
 def extract_network_tasks(network: str, target: str, options: dict[str, Any]) -> tuple[NetworkTasks, list[SearchTask]]:
     """The network's tuning tasks (fused subgraphs, deduplicated, weighted) for the target."""
-    from flows.tuning import network_tasks
+    from tensortune.flows.tuning import network_tasks
     graph = load_graph(network, **options)
     net, tasks = network_tasks(graph, target)
     get_run_logger().info(f"{graph.name}: {len(tasks)} tasks, {net.total_flops / 1e9:.3f} GFLOP per run, "
@@ -368,8 +368,8 @@ def tune_op_flow(workload: str, args: list[Any], trials: int = 64, target: str =
                  retrain_every: int = 1, model_warmup: int = 100, seed: int = 0, search: dict | None = None,
                  timing: dict | None = None, local_workers: int = 1) -> dict[str, Any]:
     """One operator (a registered workload with its arguments) tuned through the same rounds."""
-    from codegen.target import make_task
-    from tasks.workload_registry import make_dag
+    from tensortune.codegen.target import make_task
+    from tensortune.tasks.workload_registry import make_dag
     task_ = make_task(make_dag(workload, *args), target)
     with dask_client(_cluster_address(cluster), n_workers=local_workers,
                      resources=local_resources(task_.target_kind)) as client:

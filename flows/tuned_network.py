@@ -16,10 +16,10 @@ import math
 import socket
 from dataclasses import dataclass, field
 
-from codegen.network_runtime import build_network
-from codegen.target import Target, parse_target
-from storage.records import RecordStore
-from tasks.extract import NetworkTasks
+from tensortune.codegen.network_runtime import build_network
+from tensortune.codegen.target import Target, parse_target
+from tensortune.storage.records import RecordStore
+from tensortune.tasks.extract import NetworkTasks
 
 # estimated and measured latency further apart than this is a warning in the flow's UI and the CLI
 GAP_WARNING = 0.20

@@ -11,19 +11,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from codegen.measure import MeasureResult, ProgramMeasurer
-from codegen.target import make_task
-from schedule.stage import IllegalStep
-from schedule.state import State
-from search.candidate import Candidate
-from search.cost_model import CostModel, RandomModel, XGBModel
-from search.sketch_policy import SearchParams, SketchPolicy
-from search.task_scheduler import INF_COST, TaskScheduler
-from storage.records import MeasureRecord, RecordStore
-from tasks.extract import NetworkTasks, extract_tasks
-from tasks.graph import Graph
-from tasks.models import make_network
-from tasks.search_task import SearchTask
+from tensortune.codegen.measure import MeasureResult, ProgramMeasurer
+from tensortune.codegen.target import make_task
+from tensortune.schedule.stage import IllegalStep
+from tensortune.schedule.state import State
+from tensortune.search.candidate import Candidate
+from tensortune.search.cost_model import CostModel, RandomModel, XGBModel
+from tensortune.search.sketch_policy import SearchParams, SketchPolicy
+from tensortune.search.task_scheduler import INF_COST, TaskScheduler
+from tensortune.storage.records import MeasureRecord, RecordStore
+from tensortune.tasks.extract import NetworkTasks, extract_tasks
+from tensortune.tasks.graph import Graph
+from tensortune.tasks.models import make_network
+from tensortune.tasks.search_task import SearchTask
 
 
 @dataclass
@@ -156,7 +156,7 @@ def default_seeds(task: SearchTask) -> list[State]:
     """The network runtime's default schedule, measured first so a tuned task is never worse."""
     if task.target_kind != "llvm":
         return []
-    from schedule.default_schedule import default_schedule
+    from tensortune.schedule.default_schedule import default_schedule
     try:
         return [default_schedule(task.dag)]
     except (IllegalStep, ValueError):
@@ -328,8 +328,8 @@ def apply_best(task: SearchTask, source: TuneResult | RecordStore):
         raise LookupError(f"no successful measurement of {task} yet; tune it first")
     state = State.from_json(task.dag, steps)
     if task.target_kind == "cuda":
-        from codegen.cuda_backend import CUDAKernel
-        from codegen.cuda_backend import build as build_cuda
+        from tensortune.codegen.cuda_backend import CUDAKernel
+        from tensortune.codegen.cuda_backend import build as build_cuda
         return CUDAKernel(build_cuda(state, task.target, hardware=task.hardware))
-    from codegen.llvm_backend import LLVMKernel, build
+    from tensortune.codegen.llvm_backend import LLVMKernel, build
     return LLVMKernel(build(state, task.target))

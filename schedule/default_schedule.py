@@ -5,8 +5,8 @@ first, so a tuned task never ends slower than its default.
 """
 from __future__ import annotations
 
-from schedule.state import State
-from tasks.compute_dag import ComputeDAG
+from tensortune.schedule.state import State
+from tensortune.tasks.compute_dag import ComputeDAG
 
 VECTOR_LANES = 16
 TILE = (VECTOR_LANES, 4, 4)     # register tile of a data-reuse stage, innermost spatial axis first

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from schedule.stage import Split, Stage
-from tasks import te
-from tasks.te import Var
+from tensortune.schedule.stage import Split, Stage
+from tensortune.tasks import te
+from tensortune.tasks.te import Var
 
 
 @dataclass

@@ -9,9 +9,9 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from tasks import te
-from tasks.compute_dag import ComputeDAG
-from tasks.te import IterVar, Tensor, Var
+from tensortune.tasks import te
+from tensortune.tasks.compute_dag import ComputeDAG
+from tensortune.tasks.te import IterVar, Tensor, Var
 
 ANNOTATIONS = ("none", "unroll", "vectorize", "parallel", "vthread", "blockIdx.x", "blockIdx.y", "blockIdx.z",
                "threadIdx.x", "threadIdx.y", "threadIdx.z", "tensorize")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Callable, Iterable, Sequence
 
-from schedule.stage import GPU_BINDINGS, IllegalStep, Stage, initial_stages
-from schedule.steps import (
+from tensortune.schedule.stage import GPU_BINDINGS, IllegalStep, Stage, initial_stages
+from tensortune.schedule.steps import (
     AnnotationStep,
     CacheReadStep,
     CacheWriteStep,
@@ -31,9 +31,9 @@ from schedule.steps import (
     check_stage,
     step_from_json,
 )
-from tasks import te
-from tasks.compute_dag import AccessAnalysis, ComputeDAG
-from tasks.te import Load, Tensor
+from tensortune.tasks import te
+from tensortune.tasks.compute_dag import AccessAnalysis, ComputeDAG
+from tensortune.tasks.te import Load, Tensor
 
 
 class State:

@@ -9,14 +9,24 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from schedule.loop_structure import loop_structure
-from schedule.stage import ANNOTATIONS, PRAGMAS, Fuse, IllegalStep, Iterator, Split, Stage, fresh_copy, initial_stage
-from tasks import te
-from tasks.compute_dag import ComputeDAG
-from tasks.te import IterVar, Load, Tensor, Var
+from tensortune.schedule.loop_structure import loop_structure
+from tensortune.schedule.stage import (
+    ANNOTATIONS,
+    PRAGMAS,
+    Fuse,
+    IllegalStep,
+    Iterator,
+    Split,
+    Stage,
+    fresh_copy,
+    initial_stage,
+)
+from tensortune.tasks import te
+from tensortune.tasks.compute_dag import ComputeDAG
+from tensortune.tasks.te import IterVar, Load, Tensor, Var
 
 if TYPE_CHECKING:                     # steps act on a State through its methods; state.py imports this file
-    from schedule.state import State
+    from tensortune.schedule.state import State
 
 class Step:
     """One transform; `apply` returns the new state (with this step appended)."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 import random
 from dataclasses import replace as dc_replace
 
-from schedule.stage import IllegalStep
-from schedule.state import State
-from search import utils
-from search.sketch_rules import Sketch
+from tensortune.schedule.stage import IllegalStep
+from tensortune.schedule.state import State
+from tensortune.search import utils
+from tensortune.search.sketch_rules import Sketch
 
 AUTO_UNROLL_CPU = (0, 16, 64, 512)
 AUTO_UNROLL_GPU = (0, 16, 64, 512, 1024)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-from schedule.state import State
-from schedule.steps import Step
-from tasks.compute_dag import ComputeDAG
+from tensortune.schedule.state import State
+from tensortune.schedule.steps import Step
+from tensortune.tasks.compute_dag import ComputeDAG
 
 
 class StepsKey:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schedule.state import State
-from search.feature import N_FEATURES
-from search.feature_pool import Featurizer
-from tasks.search_task import SearchTask
+from tensortune.schedule.state import State
+from tensortune.search.feature import N_FEATURES
+from tensortune.search.feature_pool import Featurizer
+from tensortune.tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")
 

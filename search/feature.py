@@ -30,13 +30,13 @@ from typing import Sequence
 
 import numpy as np
 
-from schedule.loop_structure import loop_structure
-from schedule.stage import Split
-from schedule.state import State
-from schedule.steps import FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, SplitStep
-from tasks import te
-from tasks.search_task import SearchTask
-from tasks.te import DTYPE_BYTES, Expr, Var
+from tensortune.schedule.loop_structure import loop_structure
+from tensortune.schedule.stage import Split
+from tensortune.schedule.state import State
+from tensortune.schedule.steps import FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, SplitStep
+from tensortune.tasks import te
+from tensortune.tasks.search_task import SearchTask
+from tensortune.tasks.te import DTYPE_BYTES, Expr, Var
 
 N_FEATURES = 164
 MAX_N_BUFS = 5

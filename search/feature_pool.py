@@ -25,10 +25,10 @@ from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 
 import numpy as np
 
-from schedule.state import State
-from search.feature import FeatureExtractor
-from search.memory import paused_gc
-from tasks.search_task import SearchTask
+from tensortune.schedule.state import State
+from tensortune.search.feature import FeatureExtractor
+from tensortune.search.memory import paused_gc
+from tensortune.tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")
 

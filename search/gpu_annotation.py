@@ -12,15 +12,15 @@ from __future__ import annotations
 import math
 import random
 
-from schedule.stage import Split, Stage
-from schedule.state import State
-from search import utils
-from search.annotation import AUTO_UNROLL_GPU, InvalidSample, change_compute_location, fill_tile_sizes
-from search.sketch_rules import Sketch, has_cross_thread_reduction
-from tasks import te
-from tasks.arith import const_bounds
-from tasks.search_task import HardwareParams, SearchTask
-from tasks.te import DTYPE_BYTES
+from tensortune.schedule.stage import Split, Stage
+from tensortune.schedule.state import State
+from tensortune.search import utils
+from tensortune.search.annotation import AUTO_UNROLL_GPU, InvalidSample, change_compute_location, fill_tile_sizes
+from tensortune.search.sketch_rules import Sketch, has_cross_thread_reduction
+from tensortune.tasks import te
+from tensortune.tasks.arith import const_bounds
+from tensortune.tasks.search_task import HardwareParams, SearchTask
+from tensortune.tasks.te import DTYPE_BYTES
 
 _THREAD_AXES = ("threadIdx.x", "threadIdx.y", "threadIdx.z")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 from dataclasses import replace as dc_replace
 
-from schedule.stage import IllegalStep
-from schedule.state import State
-from schedule.steps import (
+from tensortune.schedule.stage import IllegalStep
+from tensortune.schedule.state import State
+from tensortune.schedule.steps import (
     AnnotationStep,
     CacheReadStep,
     CacheWriteStep,
@@ -23,9 +23,9 @@ from schedule.steps import (
     RfactorStep,
     SplitStep,
 )
-from search import utils
-from search.annotation import AUTO_UNROLL_CPU, AUTO_UNROLL_GPU
-from search.candidate import Candidate
+from tensortune.search import utils
+from tensortune.search.annotation import AUTO_UNROLL_CPU, AUTO_UNROLL_GPU
+from tensortune.search.candidate import Candidate
 
 
 def mutate_tile_size(c: Candidate, rng: random.Random, max_innermost: int) -> Candidate | None:

@@ -15,15 +15,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from schedule.stage import IllegalStep
-from schedule.state import State
-from search.annotation import InvalidSample, sample_state
-from search.candidate import Candidate, StepsKey
-from search.cost_model import CostModel, RandomModel
-from search.memory import paused_gc
-from search.mutation import crossover, mutate_auto_unroll, mutate_compute_location, mutate_parallel, mutate_tile_size
-from search.sketch_rules import Sketch, SketchContext, SketchRule, generate_sketches
-from tasks.search_task import SearchTask
+from tensortune.schedule.stage import IllegalStep
+from tensortune.schedule.state import State
+from tensortune.search.annotation import InvalidSample, sample_state
+from tensortune.search.candidate import Candidate, StepsKey
+from tensortune.search.cost_model import CostModel, RandomModel
+from tensortune.search.memory import paused_gc
+from tensortune.search.mutation import (
+    crossover,
+    mutate_auto_unroll,
+    mutate_compute_location,
+    mutate_parallel,
+    mutate_tile_size,
+)
+from tensortune.search.sketch_rules import Sketch, SketchContext, SketchRule, generate_sketches
+from tensortune.tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")
 
@@ -108,7 +114,7 @@ class SketchPolicy:
     def _sample_fn(self):
         p = self.params.as_dict()
         if self.is_gpu:
-            from search.gpu_annotation import sample_gpu_state
+            from tensortune.search.gpu_annotation import sample_gpu_state
             return lambda sk: sample_gpu_state(sk, self.rng, self.task, p)
         return lambda sk: sample_state(sk, self.rng, self.task.hardware.num_cores, p)
 
@@ -226,7 +232,7 @@ class SketchPolicy:
         mutations and crossover can cross them, and measuring it would only waste a trial."""
         if not self.is_gpu:
             return True
-        from search.gpu_annotation import check_gpu_limits
+        from tensortune.search.gpu_annotation import check_gpu_limits
         why = check_gpu_limits(c.state, self.task.hardware)
         if why is not None:
             self.timing.n_over_limits += 1

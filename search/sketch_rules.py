@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from schedule.state import State
-from schedule.steps import RfactorStep, SplitStep
-from search import utils
-from tasks.search_task import SearchTask
+from tensortune.schedule.state import State
+from tensortune.schedule.steps import RfactorStep, SplitStep
+from tensortune.search import utils
+from tensortune.tasks.search_task import SearchTask
 
 
 class Condition(Enum):

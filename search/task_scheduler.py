@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from tasks.search_task import SearchTask
+from tensortune.tasks.search_task import SearchTask
 
 INF_COST = 1e10   # the cost of a task without any valid program yet (TVM's convention)
 

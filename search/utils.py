@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from schedule.stage import Stage
-from schedule.state import State
-from schedule.steps import SplitStep
-from tasks.search_task import SearchTask
+from tensortune.schedule.stage import Stage
+from tensortune.schedule.state import State
+from tensortune.schedule.steps import SplitStep
+from tensortune.tasks.search_task import SearchTask
 
 
 def needs_multi_level_tiling(state: State, sid: int) -> bool:
@@ -229,7 +229,7 @@ def strided_operand_consumer(state: State, sid: int) -> int | None:
     (B in C[i, j] += A[i, k] * B[k, j]). Its reduce loop then touches one cache line per row, all a row
     stride apart, and a power-of-two stride maps them onto a few cache sets; a packed copy per reduce
     tile (what BLAS libraries do) makes those rows contiguous."""
-    from tasks import te
+    from tensortune.tasks import te
     consumers = consumer_ids(state, sid)
     if len(consumers) != 1 or state.stages[sid].compute_at == "inline":
         return None

@@ -1,5 +1,5 @@
 """Tuning records and cost models: a Parquet dataset on a local folder or any pyarrow/fsspec URL."""
-from storage.models import ModelStore
-from storage.records import MeasureRecord, RecordStore, TrainingRow
+from tensortune.storage.models import ModelStore
+from tensortune.storage.records import MeasureRecord, RecordStore, TrainingRow
 
 __all__ = ["MeasureRecord", "ModelStore", "RecordStore", "TrainingRow"]

@@ -23,12 +23,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage.filesystem import Location, delete_quietly, exists, list_files, write_atomic
-from storage.journal import Journal, delete_journal, finish_journal, read_journals, write_journal
-from storage.layout import COMPACTIONS_DIR, DataFile, classify, new_data_name, target_segment
-from storage.queries import best_positions
-from storage.scan import Scanner
-from storage.schema import FILE_SCHEMA, SCHEMA_VERSION
+from tensortune.storage.filesystem import Location, delete_quietly, exists, list_files, write_atomic
+from tensortune.storage.journal import Journal, delete_journal, finish_journal, read_journals, write_journal
+from tensortune.storage.layout import COMPACTIONS_DIR, DataFile, classify, new_data_name, target_segment
+from tensortune.storage.queries import best_positions
+from tensortune.storage.scan import Scanner
+from tensortune.storage.schema import FILE_SCHEMA, SCHEMA_VERSION
 
 LAYOUT_KEY = b"tensortune.layout"
 LAYOUT_LEADERS = b"leaders-in-row-group-0"

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from storage.filesystem import Location, move
-from storage.layout import QUARANTINE_DIR
-from storage.schema import FILE_SCHEMA, REQUIRED_COLUMNS
+from tensortune.storage.filesystem import Location, move
+from tensortune.storage.layout import QUARANTINE_DIR
+from tensortune.storage.schema import FILE_SCHEMA, REQUIRED_COLUMNS
 
 ON_BAD_FILE = ("raise", "quarantine")
 

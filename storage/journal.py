@@ -20,8 +20,8 @@ import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
-from storage.filesystem import Location, delete_quietly, list_files, read_bytes, write_atomic
-from storage.layout import COMPACTIONS_DIR
+from tensortune.storage.filesystem import Location, delete_quietly, list_files, read_bytes, write_atomic
+from tensortune.storage.layout import COMPACTIONS_DIR
 
 TOMBSTONE_SECONDS = 60.0
 MAX_LISTING_SECONDS = TOMBSTONE_SECONDS / 2  # the rest is slack for clock skew between hosts

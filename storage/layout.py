@@ -20,7 +20,7 @@ from urllib.parse import quote, unquote
 
 import pyarrow.fs as pafs
 
-from storage.filesystem import Location
+from tensortune.storage.filesystem import Location
 
 COMPACTIONS_DIR = "_compactions"
 QUARANTINE_DIR = "_quarantine"

@@ -20,9 +20,9 @@ from urllib.parse import quote, unquote
 
 import pandas as pd
 
-from storage.filesystem import Location, list_files, open_location, read_bytes, write_atomic
-from storage.layout import MODELS_DIR
-from storage.schema import TOOL_VERSION
+from tensortune.storage.filesystem import Location, list_files, open_location, read_bytes, write_atomic
+from tensortune.storage.layout import MODELS_DIR
+from tensortune.storage.schema import TOOL_VERSION
 
 _META_NAME = re.compile(r"^v(?P<number>\d{6,})-(?P<suffix>[0-9a-f]{8})\.json$")
 FORMAT = 1

@@ -10,7 +10,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.schema import error_name
+from tensortune.storage.schema import error_name
 
 
 def ok_expression() -> pc.Expression:

@@ -16,13 +16,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage.compaction import CompactionSettings, CompactionStats, compact, compact_partition
-from storage.filesystem import Location, open_location, write_atomic
-from storage.integrity import check_policy, find_bad_files, handle_bad_files
-from storage.layout import date_segment, new_data_name, target_segment
-from storage.queries import best_positions, error_table, history_table, ok_expression, runs_table, task_counts
-from storage.scan import Scanner
-from storage.schema import RECORD_COLUMNS, MeasureRecord, frame_to_records, records_to_table
+from tensortune.storage.compaction import CompactionSettings, CompactionStats, compact, compact_partition
+from tensortune.storage.filesystem import Location, open_location, write_atomic
+from tensortune.storage.integrity import check_policy, find_bad_files, handle_bad_files
+from tensortune.storage.layout import date_segment, new_data_name, target_segment
+from tensortune.storage.queries import (
+    best_positions,
+    error_table,
+    history_table,
+    ok_expression,
+    runs_table,
+    task_counts,
+)
+from tensortune.storage.scan import Scanner
+from tensortune.storage.schema import RECORD_COLUMNS, MeasureRecord, frame_to_records, records_to_table
 
 __all__ = ["MeasureRecord", "RecordStore", "TrainingRow"]
 

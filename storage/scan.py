@@ -16,11 +16,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from storage.filesystem import Location, exists, list_files
-from storage.integrity import find_bad_files, handle_bad_files
-from storage.journal import MAX_LISTING_SECONDS, read_journals, resolve
-from storage.layout import DataFile, classify, target_segment
-from storage.schema import DATASET_SCHEMA, fill_missing_columns
+from tensortune.storage.filesystem import Location, exists, list_files
+from tensortune.storage.integrity import find_bad_files, handle_bad_files
+from tensortune.storage.journal import MAX_LISTING_SECONDS, read_journals, resolve
+from tensortune.storage.layout import DataFile, classify, target_segment
+from tensortune.storage.schema import DATASET_SCHEMA, fill_missing_columns
 
 _SENTINEL = "schema_version"
 _ATTEMPTS = 12

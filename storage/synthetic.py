@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from storage.schema import RECORD_COLUMNS, MeasureRecord
+from tensortune.storage.schema import RECORD_COLUMNS, MeasureRecord
 
 NETWORKS = ("resnet-50", "bert-base", "mobilenet-v2")
 

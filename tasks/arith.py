@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from tasks import te
-from tasks.te import Expr
+from tensortune.tasks import te
+from tensortune.tasks.te import Expr
 
 INF = math.inf
 Range = tuple  # (lo, hi), inclusive, ints or +-inf

@@ -14,9 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from tasks import te
-from tasks.arith import const_bounds
-from tasks.te import Expr, IterVar, Load, Reduce, Tensor
+from tensortune.tasks import te
+from tensortune.tasks.arith import const_bounds
+from tensortune.tasks.te import Expr, IterVar, Load, Reduce, Tensor
 
 
 class DAGError(ValueError):

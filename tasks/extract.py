@@ -18,11 +18,11 @@ from typing import Callable
 
 import numpy as np
 
-from tasks import network_ops, ops, te
-from tasks.compute_dag import ComputeDAG, DAGError
-from tasks.graph import Graph, contiguous
-from tasks.graph_ops import OPS, Node, TensorInfo, run_node
-from tasks.te import Tensor
+from tensortune.tasks import network_ops, ops, te
+from tensortune.tasks.compute_dag import ComputeDAG, DAGError
+from tensortune.tasks.graph import Graph, contiguous
+from tensortune.tasks.graph_ops import OPS, Node, TensorInfo, run_node
+from tensortune.tasks.te import Tensor
 
 
 class ExtractError(ValueError):

@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from tasks.graph_ops import DTYPES, GraphError, Node, TensorInfo, infer_node, run_node
+from tensortune.tasks.graph_ops import DTYPES, GraphError, Node, TensorInfo, infer_node, run_node
 
 
 def contiguous(array) -> np.ndarray:

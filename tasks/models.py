@@ -15,9 +15,9 @@ from typing import Callable
 
 import numpy as np
 
-from tasks.graph import Graph, GraphBuilder
-from tasks.graph_ops import GraphError
-from tasks.onnx_import import import_onnx
+from tensortune.tasks.graph import Graph, GraphBuilder
+from tensortune.tasks.graph_ops import GraphError
+from tensortune.tasks.onnx_import import import_onnx
 
 
 class _Weights:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from tasks import te
-from tasks.ops import broadcast_shape
-from tasks.te import Tensor
+from tensortune.tasks import te
+from tensortune.tasks.ops import broadcast_shape
+from tensortune.tasks.te import Tensor
 
 
 def _broadcast_index(t: Tensor, idx: tuple, out_shape: tuple) -> tuple:

@@ -14,8 +14,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tasks.graph import Graph, GraphBuilder, contiguous
-from tasks.graph_ops import GraphError, Node, TensorInfo, infer_node, run_node
+from tensortune.tasks.graph import Graph, GraphBuilder, contiguous
+from tensortune.tasks.graph_ops import GraphError, Node, TensorInfo, infer_node, run_node
 
 
 class OnnxImportError(ValueError):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tasks import te
-from tasks.te import Tensor
+from tensortune.tasks import te
+from tensortune.tasks.te import Tensor
 
 
 def _pair(v, n: int = 2) -> tuple[int, ...]:

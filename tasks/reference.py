@@ -10,9 +10,9 @@ from typing import Sequence
 
 import numpy as np
 
-from tasks import te
-from tasks.compute_dag import ComputeDAG
-from tasks.te import Expr, Tensor
+from tensortune.tasks import te
+from tensortune.tasks.compute_dag import ComputeDAG
+from tensortune.tasks.te import Expr, Tensor
 
 _CHUNK_ELEMENTS = 1 << 22
 _erf = np.vectorize(math.erf, otypes=[np.float64])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from tasks.compute_dag import ComputeDAG
+from tensortune.tasks.compute_dag import ComputeDAG
 
 
 @dataclass(frozen=True)

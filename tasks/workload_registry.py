@@ -5,9 +5,9 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from tasks.compute_dag import ComputeDAG
-from tasks.te import Tensor
-from tasks.workloads import LIBRARY
+from tensortune.tasks.compute_dag import ComputeDAG
+from tensortune.tasks.te import Tensor
+from tensortune.tasks.workloads import LIBRARY
 
 _REGISTRY: dict[str, Callable[..., list[Tensor]]] = dict(LIBRARY)
 

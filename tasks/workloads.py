@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tasks import ops, te
+from tensortune.tasks import ops, te
 
 # name -> function returning [inputs..., outputs...]; tasks.workload_registry serves these by name
 LIBRARY: dict[str, Callable[..., list[te.Tensor]]] = {}

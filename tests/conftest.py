@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
-from codegen.llvm_backend import LLVMKernel, build
-from schedule.state import State
-from tasks.reference import evaluate, mismatch
+from tensortune.codegen.llvm_backend import LLVMKernel, build
+from tensortune.schedule.state import State
+from tensortune.tasks.reference import evaluate, mismatch
 
 # Hypothesis: the default suite (and CI) draws the same examples every run, so a failure is reproducible
 # and never intermittent; `-m slow` (or HYPOTHESIS_PROFILE=wide) draws fresh random ones, five times as
@@ -80,7 +80,7 @@ SMALL_WORKLOADS = {
 
 
 def small_dag(key: str):
-    from tasks.workload_registry import make_dag
+    from tensortune.tasks.workload_registry import make_dag
     name = {"batch_matmul_tb": "batch_matmul", "conv2d_nhwc": "conv2d", "elementwise_gelu": "elementwise",
             "elementwise_sigmoid": "elementwise"}.get(key, key)
     return make_dag(name, *SMALL_WORKLOADS[key])

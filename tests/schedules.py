@@ -6,8 +6,8 @@ bound inference over overlapping windows) and rfactor.
 """
 from __future__ import annotations
 
-from schedule.state import State
-from tasks.compute_dag import ComputeDAG
+from tensortune.schedule.state import State
+from tensortune.tasks.compute_dag import ComputeDAG
 
 
 def _tile(extent: int, want: int) -> int:

@@ -265,7 +265,7 @@ def test_resnet50_total_leaves_out_rows_that_failed_verification():
 
 def test_ablation_random_model_evolves_as_many_generations_as_xgb():
     from bench.tune import SameGenerationsRandomModel
-    from search.cost_model import XGBModel
+    from tensortune.search.cost_model import XGBModel
     model, xgb = SameGenerationsRandomModel(0), XGBModel()
     assert model.num_warmup_sample == xgb.num_warmup_sample
     assert model.is_random                          # warm-up rounds: 2 generations, as XGBModel's

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from schedule.state import State
+from tensortune.schedule.state import State
 from tests.conftest import check_state
 from tests.schedules import tiled_schedule
 

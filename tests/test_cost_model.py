@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from codegen.target import make_task
-from schedule.state import State
-from search.candidate import Candidate
-from search.cost_model import XGB_PARAMS, RandomModel, XGBModel, pack_sum, pairwise_accuracy, recall_at_k
-from search.feature import N_FEATURES, FeatureExtractor, FeatureTemplate, feature_names, state_numbers
-from search.sketch_policy import SearchParams, SketchPolicy
-from tasks.workload_registry import make_dag
+from tensortune.codegen.target import make_task
+from tensortune.schedule.state import State
+from tensortune.search.candidate import Candidate
+from tensortune.search.cost_model import XGB_PARAMS, RandomModel, XGBModel, pack_sum, pairwise_accuracy, recall_at_k
+from tensortune.search.feature import N_FEATURES, FeatureExtractor, FeatureTemplate, feature_names, state_numbers
+from tensortune.search.sketch_policy import SearchParams, SketchPolicy
+from tensortune.tasks.workload_registry import make_dag
 
 DATA = Path(__file__).with_name("data") / "cost_model_matmul.json.gz"
 ACCURACY = 0.671      # the mean held-out pairwise accuracy on DATA (0.6712 with xgboost 3.2.0, numpy 2.4.6)

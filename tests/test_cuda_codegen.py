@@ -9,16 +9,16 @@ import re
 
 import pytest
 
-from codegen.cuda_backend import build, check_limits, compile_cubin, find_nvcc, generate
-from codegen.lower import LoweringError
-from codegen.target import make_task
-from schedule.stage import IllegalStep
-from schedule.state import State
-from search.annotation import InvalidSample
-from search.gpu_annotation import check_gpu_limits, sample_gpu_state
-from search.sketch_rules import SketchContext, generate_sketches
-from tasks.search_task import SearchTask
-from tasks.workload_registry import make_dag
+from tensortune.codegen.cuda_backend import build, check_limits, compile_cubin, find_nvcc, generate
+from tensortune.codegen.lower import LoweringError
+from tensortune.codegen.target import make_task
+from tensortune.schedule.stage import IllegalStep
+from tensortune.schedule.state import State
+from tensortune.search.annotation import InvalidSample
+from tensortune.search.gpu_annotation import check_gpu_limits, sample_gpu_state
+from tensortune.search.sketch_rules import SketchContext, generate_sketches
+from tensortune.tasks.search_task import SearchTask
+from tensortune.tasks.workload_registry import make_dag
 from tests.conftest import SMALL_WORKLOADS, small_dag
 
 TARGET = "cuda -arch=sm_90"
@@ -94,7 +94,7 @@ def _matmul_program(n=64, tile=(2, 8, 2, 1), k_tile=(4, 2), unroll=64) -> State:
     for i in sketch.tunable:
         st = steps[i]
         steps[i] = replace(st, lengths=tile if len(st.lengths) == 4 else k_tile)
-    from search.gpu_annotation import init_thread_bind
+    from tensortune.search.gpu_annotation import init_thread_bind
     state = init_thread_bind(State.replay(task.dag, steps), task.hardware)
     return state.pragma("C.local", 0, f"auto_unroll_max_step${unroll}")
 
@@ -161,8 +161,8 @@ def test_multi_stage_programs_split_into_kernels_with_global_temporaries():
 def test_programs_over_the_gpu_limits_are_never_proposed():
     # Tile-size mutations of valid programs often cross a tight thread limit; next_batch leaves them out
     # (they would only cost a trial each as build errors).
-    from search.gpu_annotation import check_gpu_limits
-    from search.sketch_policy import SearchParams, SketchPolicy
+    from tensortune.search.gpu_annotation import check_gpu_limits
+    from tensortune.search.sketch_policy import SearchParams, SketchPolicy
     task = make_task(make_dag("matmul", 256, 256, 256), "cuda -arch=sm_90 -max-threads=128")
     policy = SketchPolicy(task, params=SearchParams(population=256, sample_init_population=128, num_iters=2),
                           seed=0)
@@ -177,9 +177,9 @@ def test_gpu_features_match_the_launch_configuration():
     # stage's row equals what the CUDA generator makes of the same program: its kernel's grid and block.
     import math
 
-    from codegen.cuda_backend import generate
-    from search.feature import FeatureExtractor, feature_names
-    from search.sketch_policy import SketchPolicy
+    from tensortune.codegen.cuda_backend import generate
+    from tensortune.search.feature import FeatureExtractor, feature_names
+    from tensortune.search.sketch_policy import SketchPolicy
     names = feature_names()
     task = make_task(make_dag("matmul", 256, 256, 256), TARGET)
     programs = SketchPolicy(task, seed=5).sample(6)

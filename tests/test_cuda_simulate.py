@@ -15,12 +15,12 @@ import math
 import numpy as np
 import pytest
 
-from codegen.cuda_codegen import BLOCK_AXES, GRID_AXES, generate_cuda, inject_virtual_threads, split_kernels
-from codegen.ir import Allocate, Barrier, Buffer, BufferLoad, For, IfThenElse, Seq, Stmt, Store
-from codegen.lower import THREAD_ALLREDUCE, lower
-from schedule.state import State
-from tasks import te
-from tasks.reference import evaluate, mismatch
+from tensortune.codegen.cuda_codegen import BLOCK_AXES, GRID_AXES, generate_cuda, inject_virtual_threads, split_kernels
+from tensortune.codegen.ir import Allocate, Barrier, Buffer, BufferLoad, For, IfThenElse, Seq, Stmt, Store
+from tensortune.codegen.lower import THREAD_ALLREDUCE, lower
+from tensortune.schedule.state import State
+from tensortune.tasks import te
+from tensortune.tasks.reference import evaluate, mismatch
 from tests.conftest import SMALL_WORKLOADS
 from tests.test_cuda_codegen import gpu_programs
 
@@ -204,8 +204,8 @@ def test_sampled_gpu_programs_compute_the_reference(key):
 
 @pytest.mark.parametrize("threads", [80, 256])
 def test_block_allreduce_program_over_several_warps(threads):
-    from codegen.target import make_task
-    from tasks.workload_registry import make_dag
+    from tensortune.codegen.target import make_task
+    from tensortune.tasks.workload_registry import make_dag
     dag = make_task(make_dag("norm", 3, 40, 50), "cuda -arch=sm_90").dag
     state = State(dag)
     sid = state.stage_id("T_sum_sq")

@@ -86,12 +86,12 @@ def _dask_args(command: str, scheduler: str, port: int) -> list[str]:
 def test_the_compose_cluster_specs_start_a_real_cluster_that_measures(tmp_path):
     from distributed import Client
 
-    from codegen.target import make_task
-    from codegen.timing import TimingConfig
-    from flows.dask_cluster import workers_with
-    from flows.dask_measure import DaskMeasurer
-    from schedule.state import State
-    from tasks.workload_registry import make_dag
+    from tensortune.codegen.target import make_task
+    from tensortune.codegen.timing import TimingConfig
+    from tensortune.flows.dask_cluster import workers_with
+    from tensortune.flows.dask_measure import DaskMeasurer
+    from tensortune.schedule.state import State
+    from tensortune.tasks.workload_registry import make_dag
     services = load("compose.yaml")["services"]
     port = _free_port()
     scheduler = f"tcp://127.0.0.1:{port}"

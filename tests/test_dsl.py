@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks import ops, te
-from tasks.compute_dag import ComputeDAG, DAGError
-from tasks.reference import evaluate, mismatch
-from tasks.workload_registry import UnknownWorkload, make_dag, workload_names
-from tasks.workloads import PAPER_SHAPES
+from tensortune.tasks import ops, te
+from tensortune.tasks.compute_dag import ComputeDAG, DAGError
+from tensortune.tasks.reference import evaluate, mismatch
+from tensortune.tasks.workload_registry import UnknownWorkload, make_dag, workload_names
+from tensortune.tasks.workloads import PAPER_SHAPES
 
 
 def test_matmul_dag_text_flops_and_analysis():

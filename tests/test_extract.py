@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from codegen.network_runtime import build_network
-from tasks.compute_dag import ComputeDAG
-from tasks.extract import ExtractError, extract_tasks, partition, simplify_for_inference
-from tasks.graph import GraphBuilder
-from tasks.models import make_network
+from tensortune.codegen.network_runtime import build_network
+from tensortune.tasks.compute_dag import ComputeDAG
+from tensortune.tasks.extract import ExtractError, extract_tasks, partition, simplify_for_inference
+from tensortune.tasks.graph import GraphBuilder
+from tensortune.tasks.models import make_network
 
 # ResNet-50 at batch 1, 224x224: 27 unique tasks from 56 fused subgraphs (53 convs, the max pool,
 # the global pool and the dense layer), in first-occurrence order.

@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from codegen.target import make_task
-from search.feature import FeatureExtractor
-from search.feature_pool import Featurizer
-from search.sketch_policy import SketchPolicy
-from tasks.workload_registry import make_dag
+from tensortune.codegen.target import make_task
+from tensortune.search.feature import FeatureExtractor
+from tensortune.search.feature_pool import Featurizer
+from tensortune.search.sketch_policy import SketchPolicy
+from tensortune.tasks.workload_registry import make_dag
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +65,10 @@ def test_a_killed_helper_costs_nothing(population):
 def test_helpers_exit_with_a_killed_parent(tmp_path):
     script = textwrap.dedent("""
         import sys, time
-        from codegen.target import make_task
-        from search.feature_pool import Featurizer
-        from search.sketch_policy import SketchPolicy
-        from tasks.workload_registry import make_dag
+        from tensortune.codegen.target import make_task
+        from tensortune.search.feature_pool import Featurizer
+        from tensortune.search.sketch_policy import SketchPolicy
+        from tensortune.tasks.workload_registry import make_dag
         if __name__ == "__main__":
             task = make_task(make_dag("matmul", 64, 64, 64))
             f = Featurizer(processes=1, min_batch=1)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from codegen.target import make_task
-from schedule.state import State
-from search.feature import _ONEHOT, MAX_N_BUFS, FeatureExtractor, feature_names
-from tasks import te
-from tasks.compute_dag import ComputeDAG
-from tasks.workload_registry import make_dag
+from tensortune.codegen.target import make_task
+from tensortune.schedule.state import State
+from tensortune.search.feature import _ONEHOT, MAX_N_BUFS, FeatureExtractor, feature_names
+from tensortune.tasks import te
+from tensortune.tasks.compute_dag import ComputeDAG
+from tensortune.tasks.workload_registry import make_dag
 
 NAMES = feature_names()
 LINE = 64

@@ -15,14 +15,14 @@ import time
 import pytest
 from distributed import Client, LocalCluster, get_task_stream
 
-from codegen.measure import BuildResult, LocalBuilder
-from codegen.target import make_task
-from codegen.timing import ErrorCode, TimingConfig
-from flows.dask_cluster import ClusterError, connect, dask_client, local_resources, workers_with
-from flows.dask_measure import DaskMeasurer
-from schedule.state import State
-from search.sketch_policy import SearchParams, SketchPolicy
-from tasks.workload_registry import make_dag
+from tensortune.codegen.measure import BuildResult, LocalBuilder
+from tensortune.codegen.target import make_task
+from tensortune.codegen.timing import ErrorCode, TimingConfig
+from tensortune.flows.dask_cluster import ClusterError, connect, dask_client, local_resources, workers_with
+from tensortune.flows.dask_measure import DaskMeasurer
+from tensortune.schedule.state import State
+from tensortune.search.sketch_policy import SearchParams, SketchPolicy
+from tensortune.tasks.workload_registry import make_dag
 from tests.conftest import terminate
 from tests.test_measure import SEGFAULT, _artifact
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.artifacts import artifact_key
-from flows.prefect_server import start_server
+from tensortune.flows.artifacts import artifact_key
+from tensortune.flows.prefect_server import start_server
 from tests.test_flow_tune import read_back, two_task_onnx
 
 pytestmark = pytest.mark.slow

@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 from distributed import Client, LocalCluster
 
-from codegen.target import parse_target
-from flows.artifacts import artifact_key
-from flows.tune_flow import tune_network_flow
-from storage.models import ModelStore
-from storage.records import RecordStore
+from tensortune.codegen.target import parse_target
+from tensortune.flows.artifacts import artifact_key
+from tensortune.flows.tune_flow import tune_network_flow
+from tensortune.storage.models import ModelStore
+from tensortune.storage.records import RecordStore
 from tests.test_flow_dask_measure import kill_a_timing_worker
 
 SMALL = dict(per_round=8, retrain_every=2, model_warmup=16,
@@ -166,7 +166,7 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
 
 
 def test_a_bad_cluster_address_fails_the_run_with_what_to_do(tmp_path, prefect_api):
-    from flows.dask_cluster import ClusterError
+    from tensortune.flows.dask_cluster import ClusterError
     network = two_task_onnx(str(tmp_path / "mlp.onnx"))
     state = tune_network_flow(network, trials=8, records=str(tmp_path / "r"), cluster="tcp://127.0.0.1:9",
                               return_state=True, **SMALL)

@@ -10,16 +10,24 @@ import random
 import numpy as np
 import pytest
 
-from codegen.artifact import Artifact
-from codegen.cuda_backend import CUDAKernel, build, compile_cubin, device_target, generate, gpu_available, run_artifact
-from codegen.gpu_device import device_hardware_params
-from codegen.target import make_task
-from codegen.timing import ErrorCode, TimingConfig
-from schedule.state import State
-from search.gpu_annotation import sample_gpu_state
-from search.sketch_rules import SketchContext, generate_sketches
-from tasks.reference import evaluate, mismatch
-from tasks.workload_registry import make_dag
+from tensortune.codegen.artifact import Artifact
+from tensortune.codegen.cuda_backend import (
+    CUDAKernel,
+    build,
+    compile_cubin,
+    device_target,
+    generate,
+    gpu_available,
+    run_artifact,
+)
+from tensortune.codegen.gpu_device import device_hardware_params
+from tensortune.codegen.target import make_task
+from tensortune.codegen.timing import ErrorCode, TimingConfig
+from tensortune.schedule.state import State
+from tensortune.search.gpu_annotation import sample_gpu_state
+from tensortune.search.sketch_rules import SketchContext, generate_sketches
+from tensortune.tasks.reference import evaluate, mismatch
+from tensortune.tasks.workload_registry import make_dag
 from tests.conftest import SMALL_WORKLOADS
 from tests.test_cuda_codegen import TARGET, gpu_programs
 
@@ -114,7 +122,7 @@ def test_a_wrong_kernel_is_a_wrong_answer():
 
 def test_a_faulting_kernel_costs_one_record_and_the_runner_goes_on():
     """An illegal address poisons the CUDA context: the runner must rebuild it (or its process)."""
-    from codegen.measure import BuildResult, LocalRunner
+    from tensortune.codegen.measure import BuildResult, LocalRunner
     good = _matmul_state(64)
     task = make_task(good.dag, TARGET)
     builds = [BuildResult(_bad_artifact("fault", 64, task), 0, "", 0.0), BuildResult(build(good, TARGET), 0, "", 0.0),
@@ -139,8 +147,8 @@ def test_hardware_params_come_from_the_device():
 
 
 def test_measurer_and_tuning_find_a_correct_kernel():
-    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
-    from flows.tuning import apply_best, tune_task
+    from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+    from tensortune.flows.tuning import apply_best, tune_task
     task = make_task(make_dag("matmul_bias_relu", 256, 256, 256), device_target())
     measurer = ProgramMeasurer(LocalBuilder(n_parallel=8, timeout=60),
                                LocalRunner(timeout=30, config=TimingConfig(min_repeat_ms=10)))

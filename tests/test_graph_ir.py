@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.graph import Graph, GraphBuilder
-from tasks.graph_ops import GraphError, Node, TensorInfo, run_node
+from tensortune.tasks.graph import Graph, GraphBuilder
+from tensortune.tasks.graph_ops import GraphError, Node, TensorInfo, run_node
 
 
 def _run(op: str, xs: list[np.ndarray], **attrs) -> np.ndarray:
     node = Node("n", op, tuple(f"x{i}" for i in range(len(xs))), "y", attrs)
-    from tasks.graph_ops import infer_node
+    from tensortune.tasks.graph_ops import infer_node
     infer_node(node, [TensorInfo(x.shape, str(x.dtype)) for x in xs])
     return run_node(node, xs)
 

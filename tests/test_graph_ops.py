@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from codegen.network_runtime import build_network
-from tasks.extract import extract_tasks
-from tasks.graph import GraphBuilder
-from tasks.reference import mismatch
+from tensortune.codegen.network_runtime import build_network
+from tensortune.tasks.extract import extract_tasks
+from tensortune.tasks.graph import GraphBuilder
+from tensortune.tasks.reference import mismatch
 
 RNG = np.random.default_rng(7)
 

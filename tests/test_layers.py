@@ -3,6 +3,10 @@ draw are the real ones.
 
     flows -> storage, codegen, search -> schedule -> tasks
 
+All of them are subpackages of `tensortune` (the repository root, mapped in pyproject.toml); an import of a
+bare `codegen` or `flows` would load a second copy of a module under another name (or an unrelated PyPI
+project), so the walk also fails on those, in bench/ and tests/ too.
+
 Every import statement counts, also one inside a function (a hidden loop is still a loop), except those
 under `if TYPE_CHECKING:`, which only the type checker runs (schedule/steps.py names State in its
 annotations that way; state.py imports the steps).
@@ -35,8 +39,22 @@ def _type_checking_lines(tree: ast.AST) -> set[int]:
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = ("tensortune",) + path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1]
+
+
+def _imported_names(tree: ast.AST) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return found
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -46,25 +64,13 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
         skip = _type_checking_lines(tree)
-        found: set[str] = set()
-        for node in ast.walk(tree):
-            if getattr(node, "lineno", None) in skip:
-                continue
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            for t in targets:
-                if t in modules and t != name:
-                    found.add(t)
-        graph[name] = found
+        graph[name] = {t for line, t in _imported_names(tree) if line not in skip and t in modules and t != name}
     return graph
 
 
 def test_packages_import_only_the_layers_below():
     bad = [f"{m} imports {t}" for m, targets in import_graph().items() for t in sorted(targets)
-           if t.split(".")[0] != m.split(".")[0] and t.split(".")[0] not in ALLOWED[m.split(".")[0]]]
+           if _layer(t) != _layer(m) and _layer(t) not in ALLOWED[_layer(m)]]
     assert not bad, "imports against the layer order:\n" + "\n".join(bad)
 
 
@@ -107,4 +113,13 @@ def test_no_import_cycle_between_files():
 def test_the_checker_sees_imports_inside_functions():
     """The graph is built from every import statement, so it would see a loop hidden in a function."""
     graph = import_graph()
-    assert "codegen.measure" in graph and any(t.startswith("codegen.llvm_backend") for t in graph["codegen.measure"])
+    assert "tensortune.codegen.measure" in graph
+    assert any(t.startswith("tensortune.codegen.llvm_backend") for t in graph["tensortune.codegen.measure"])
+
+
+def test_nothing_imports_a_layer_by_its_bare_name():
+    bare = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+            for folder in PACKAGES + ("bench", "tests") for path in (ROOT / folder).rglob("*.py")
+            for line, name in _imported_names(ast.parse(path.read_text(), str(path)))
+            if name.split(".")[0] in PACKAGES]
+    assert not bare, "import through the package, `tensortune.<layer>`:\n" + "\n".join(bare)

@@ -6,12 +6,12 @@ import re
 import numpy as np
 import pytest
 
-from codegen.llvm_backend import LLVMKernel, assembly, build
-from codegen.llvm_codegen import generate_llvm_ir
-from codegen.lower import lower
-from codegen.target import parse_target
-from schedule.state import State
-from tasks.workload_registry import make_dag
+from tensortune.codegen.llvm_backend import LLVMKernel, assembly, build
+from tensortune.codegen.llvm_codegen import generate_llvm_ir
+from tensortune.codegen.lower import lower
+from tensortune.codegen.target import parse_target
+from tensortune.schedule.state import State
+from tensortune.tasks.workload_registry import make_dag
 from tests.conftest import check_state
 
 
@@ -122,8 +122,8 @@ def test_the_timing_loop_runs_the_kernel_every_time():
     """A small serial kernel is a pure function of its noalias buffers: inlined into the `_repeat`
     timing loop, LLVM ran it once for n runs (ResNet-18's 512-channel global pool was recorded at
     0.8 ns). The loop must still call it, and the kernel must still be right."""
-    from tasks import ops, te
-    from tasks.compute_dag import ComputeDAG
+    from tensortune.tasks import ops, te
+    from tensortune.tasks.compute_dag import ComputeDAG
     data = te.placeholder((1, 512, 1, 1), name="data")
     dag = ComputeDAG([data, ops.global_avg_pool2d_nchw(data)])
     steps = '[["CA",1,2,1],["CR",2],["FU",2,[0,1,2,3]],["PR",1,0,"auto_unroll_max_step$0"],["AN",2,0,2]]'

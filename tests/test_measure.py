@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from codegen.artifact import Artifact
-from codegen.llvm_backend import compile_ir
-from codegen.measure import BuildResult, LocalBuilder, LocalRunner, ProgramMeasurer
-from codegen.target import make_task, parse_target
-from codegen.timing import ErrorCode, TimingConfig, time_runs
-from schedule.state import State
-from tasks.workload_registry import make_dag
+from tensortune.codegen.artifact import Artifact
+from tensortune.codegen.llvm_backend import compile_ir
+from tensortune.codegen.measure import BuildResult, LocalBuilder, LocalRunner, ProgramMeasurer
+from tensortune.codegen.target import make_task, parse_target
+from tensortune.codegen.timing import ErrorCode, TimingConfig, time_runs
+from tensortune.schedule.state import State
+from tensortune.tasks.workload_registry import make_dag
 
 
 def _artifact(body: str, dag) -> Artifact:
@@ -197,8 +197,8 @@ def _parallel_matmul(threads: int):
 def test_kernels_run_on_the_targets_threads_whatever_the_runner_environment():
     """A Dask nanny sets OMP_NUM_THREADS=1 in its workers; the runner's kernels still run on the target's
     thread count (compiled in), and a runner that cannot give them that many is an error, not a timing."""
-    from codegen.llvm_backend import LLVMKernel
-    from codegen.measure import build_job
+    from tensortune.codegen.llvm_backend import LLVMKernel
+    from tensortune.codegen.measure import build_job
     task, steps = _parallel_matmul(2)
     kernel = LLVMKernel(build_job((task.to_json(), steps, False)))
     kernel(*task.dag.random_inputs(0), *task.dag.empty_outputs())

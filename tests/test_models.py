@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from codegen.network_runtime import NETWORK_TOLERANCE, build_network
-from tasks.extract import extract_tasks
-from tasks.graph import GraphBuilder
-from tasks.graph_ops import GraphError
-from tasks.models import fold_batch_norm, make_network, network_names, network_options
+from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, build_network
+from tensortune.tasks.extract import extract_tasks
+from tensortune.tasks.graph import GraphBuilder
+from tensortune.tasks.graph_ops import GraphError
+from tensortune.tasks.models import fold_batch_norm, make_network, network_names, network_options
 
 SMALL = {
     "resnet-18": dict(image_size=32, base_width=16, batch_size=2),

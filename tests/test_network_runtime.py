@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from codegen.network_runtime import build_network
-from codegen.target import parse_target
-from flows import network_cli
-from flows.cli import app
-from flows.tuned_network import best_records, measure_tuned_network, tuned_target
-from schedule.default_schedule import default_schedule
-from storage.records import RecordStore
-from storage.schema import MeasureRecord
-from tasks.extract import extract_tasks
-from tasks.models import make_network
+from tensortune.codegen.network_runtime import build_network
+from tensortune.codegen.target import parse_target
+from tensortune.flows import network_cli
+from tensortune.flows.cli import app
+from tensortune.flows.tuned_network import best_records, measure_tuned_network, tuned_target
+from tensortune.schedule.default_schedule import default_schedule
+from tensortune.storage.records import RecordStore
+from tensortune.storage.schema import MeasureRecord
+from tensortune.tasks.extract import extract_tasks
+from tensortune.tasks.models import make_network
 from tests.conftest import check_state
 from tests.schedules import tiled_schedule
 

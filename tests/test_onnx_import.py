@@ -12,9 +12,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from codegen.network_runtime import build_network
-from tasks.extract import extract_tasks
-from tasks.onnx_import import OnnxImportError, import_onnx
+from tensortune.codegen.network_runtime import build_network
+from tensortune.tasks.extract import extract_tasks
+from tensortune.tasks.onnx_import import OnnxImportError, import_onnx
 
 RNG = np.random.default_rng(11)
 

@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from tasks.reference import evaluate
-from tasks.workload_registry import workload_signature
+from tensortune.tasks.reference import evaluate
+from tensortune.tasks.workload_registry import workload_signature
 from tests.conftest import SMALL_WORKLOADS, small_dag
 
 _WORKLOAD = {"batch_matmul_tb": "batch_matmul", "conv2d_nhwc": "conv2d", "elementwise_gelu": "elementwise",
@@ -146,9 +146,9 @@ def test_op_definition_matches_numpy(key):
 
 def test_dense_with_relu_and_the_min_reducer_match_numpy():
     # Paths no SMALL_WORKLOADS entry takes: dense's relu epilogue, and te.min as a reducer.
-    from tasks import te
-    from tasks.compute_dag import ComputeDAG
-    from tasks.workload_registry import make_dag
+    from tensortune.tasks import te
+    from tensortune.tasks.compute_dag import ComputeDAG
+    from tensortune.tasks.workload_registry import make_dag
     dag = make_dag("dense", 3, 16, 8, True, True)
     inputs = dag.random_inputs(seed=2)
     (got,) = evaluate(dag, inputs)

@@ -4,9 +4,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from schedule.stage import IllegalStep
-from schedule.state import State
-from tasks.workload_registry import make_dag
+from tensortune.schedule.stage import IllegalStep
+from tensortune.schedule.state import State
+from tensortune.tasks.workload_registry import make_dag
 from tests.conftest import check_state, examples
 
 KINDS = ["split", "split", "reorder", "fuse", "annotate", "pragma", "cache_write", "compute_at", "inline",

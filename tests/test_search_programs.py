@@ -7,10 +7,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from codegen.target import make_task
-from schedule.steps import SplitStep
-from search.mutation import crossover, mutate_auto_unroll, mutate_compute_location, mutate_parallel, mutate_tile_size
-from search.sketch_policy import SearchParams, SketchPolicy
+from tensortune.codegen.target import make_task
+from tensortune.schedule.steps import SplitStep
+from tensortune.search.mutation import (
+    crossover,
+    mutate_auto_unroll,
+    mutate_compute_location,
+    mutate_parallel,
+    mutate_tile_size,
+)
+from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tests.conftest import SMALL_WORKLOADS, check_state, examples, small_dag
 
 _POLICIES: dict[str, SketchPolicy] = {}
@@ -92,10 +98,10 @@ def test_crossover_drops_a_child_that_computes_a_stage_inside_only_one_of_its_re
     """softmax: parent A computes the max and the exp-sum inside the normalisation's row loop, parent B
     keeps both at root. The child taking the max from A and the exp-sum from B reads the max outside
     the loop that computes it: it cannot be lowered, so crossover must not propose it."""
-    from codegen.lower import lower
-    from schedule.state import State
-    from search import utils
-    from search.candidate import Candidate
+    from tensortune.codegen.lower import lower
+    from tensortune.schedule.state import State
+    from tensortune.search import utils
+    from tensortune.search.candidate import Candidate
     dag = small_dag("softmax")
     a = State.from_json(dag, '[["CA",3,4,0],["CI",2],["CA",1,4,0],["AN",4,0,3],["PR",1,0,"auto_unroll_max_step$64"],'
                              '["PR",3,0,"auto_unroll_max_step$0"]]')
@@ -120,10 +126,10 @@ def test_sampling_mutation_and_features_leave_no_reference_cycles(key):
     whole round's states alive until the collector traced them all: 0.7 s a round on depthwise conv."""
     import gc
 
-    from schedule.stage import Iterator, Stage
-    from schedule.state import State
-    from search.feature_pool import Featurizer
-    from tasks.te import Tensor
+    from tensortune.schedule.stage import Iterator, Stage
+    from tensortune.schedule.state import State
+    from tensortune.search.feature_pool import Featurizer
+    from tensortune.tasks.te import Tensor
     pol = SketchPolicy(make_task(small_dag(key)), params=SearchParams(), seed=0)
     featurize = Featurizer(processes=0)
     rng = random.Random(0)

@@ -1,10 +1,10 @@
 """Sketch generation: the structures the Ansor paper describes, and user rules."""
 from __future__ import annotations
 
-from codegen.target import make_task
-from schedule.steps import CacheWriteStep, ComputeAtStep, ComputeInlineStep, RfactorStep, SplitStep
-from search.sketch_rules import Condition, CustomRule, SketchContext, generate_sketches, register_sketch_rule
-from tasks.workload_registry import make_dag
+from tensortune.codegen.target import make_task
+from tensortune.schedule.steps import CacheWriteStep, ComputeAtStep, ComputeInlineStep, RfactorStep, SplitStep
+from tensortune.search.sketch_rules import Condition, CustomRule, SketchContext, generate_sketches, register_sketch_rule
+from tensortune.tasks.workload_registry import make_dag
 
 
 def _sketches(name, *args):
@@ -110,7 +110,7 @@ def test_user_rule_runs_before_builtin_rules():
     try:
         _sketches("matmul", 64, 64, 64)
     finally:
-        from search import sketch_rules
+        from tensortune.search import sketch_rules
         sketch_rules._CUSTOM_RULES["llvm"].remove(rule)
     assert "C" in calls
 

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from codegen.lower import lower
-from schedule.stage import IllegalStep
-from schedule.state import State
-from schedule.steps import Step
-from tasks.workload_registry import make_dag
+from tensortune.codegen.lower import lower
+from tensortune.schedule.stage import IllegalStep
+from tensortune.schedule.state import State
+from tensortune.schedule.steps import Step
+from tensortune.tasks.workload_registry import make_dag
 from tests.conftest import check_state, small_dag
 from tests.schedules import tiled_schedule
 

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from storage.integrity import BadFileError
-from storage.records import RecordStore
-from storage.synthetic import synthetic_batch
+from tensortune.storage.integrity import BadFileError
+from tensortune.storage.records import RecordStore
+from tensortune.storage.synthetic import synthetic_batch
 
 
 def _store(root: Path, batches: int = 3) -> tuple[RecordStore, list[str]]:

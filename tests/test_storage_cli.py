@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 from typer.testing import CliRunner
 
-from flows import history_cli
-from flows.cli import app
-from storage.records import RecordStore
-from storage.synthetic import synthetic_batch, workload_key
+from tensortune.flows import history_cli
+from tensortune.flows.cli import app
+from tensortune.storage.records import RecordStore
+from tensortune.storage.synthetic import synthetic_batch, workload_key
 
 runner = CliRunner()
 assert history_cli.app is app  # importing history_cli registered its commands on the app

@@ -12,9 +12,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from storage.journal import TOMBSTONE_SECONDS, Journal, read_journals, write_journal
-from storage.records import RecordStore
-from storage.synthetic import row_multiset, synthetic_batch, workload_key
+from tensortune.storage.journal import TOMBSTONE_SECONDS, Journal, read_journals, write_journal
+from tensortune.storage.records import RecordStore
+from tensortune.storage.synthetic import row_multiset, synthetic_batch, workload_key
 
 
 def _filled(root: str, batches: int = 60, targets: tuple[str, ...] = ("llvm", "cuda")) -> RecordStore:

@@ -6,10 +6,10 @@ import multiprocessing
 import numpy as np
 import pytest
 
-from storage import scan
-from storage.journal import Journal, resolve
-from storage.records import RecordStore
-from storage.synthetic import synthetic_batch
+from tensortune.storage import scan
+from tensortune.storage.journal import Journal, resolve
+from tensortune.storage.records import RecordStore
+from tensortune.storage.synthetic import synthetic_batch
 
 WRITERS = 4
 BATCHES = 24

@@ -13,9 +13,9 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
-from storage.journal import Journal, read_journals, write_journal
-from storage.records import RecordStore
-from storage.synthetic import row_multiset, synthetic_batch
+from tensortune.storage.journal import Journal, read_journals, write_journal
+from tensortune.storage.records import RecordStore
+from tensortune.storage.synthetic import row_multiset, synthetic_batch
 
 BATCH = 1500  # big enough that a kill often lands in the middle of writing a file
 

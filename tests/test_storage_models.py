@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage.models import ModelStore, ModelStoreError
-from storage.records import RecordStore
-from storage.synthetic import synthetic_batch
+from tensortune.storage.models import ModelStore, ModelStoreError
+from tensortune.storage.records import RecordStore
+from tensortune.storage.synthetic import synthetic_batch
 
 TARGET = "llvm -mcpu=skylake-avx512"
 

@@ -6,7 +6,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from storage.records import MeasureRecord, RecordStore, TrainingRow
+from tensortune.storage.records import MeasureRecord, RecordStore, TrainingRow
 
 T0 = datetime(2026, 5, 1, tzinfo=timezone.utc)
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from pyarrow.fs import FileSelector
 
-from storage.integrity import BadFileError
-from storage.models import ModelStore
-from storage.records import RecordStore
-from storage.synthetic import row_multiset, synthetic_batch, workload_key
+from tensortune.storage.integrity import BadFileError
+from tensortune.storage.models import ModelStore
+from tensortune.storage.records import RecordStore
+from tensortune.storage.synthetic import row_multiset, synthetic_batch, workload_key
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from datetime import datetime, timedelta, timezone
 import pandas as pd
 import pytest
 
-from storage.records import MeasureRecord, RecordStore
-from storage.schema import RECORD_COLUMNS, SCHEMA_VERSION
+from tensortune.storage.records import MeasureRecord, RecordStore
+from tensortune.storage.schema import RECORD_COLUMNS, SCHEMA_VERSION
 
 
 def _assert_same(a: MeasureRecord, b: MeasureRecord) -> None:

@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.records import RecordStore
-from storage.schema import COLUMN_DEFAULTS, SCHEMA_VERSION
-from storage.synthetic import row_multiset, synthetic_batch, workload_key
+from tensortune.storage.records import RecordStore
+from tensortune.storage.schema import COLUMN_DEFAULTS, SCHEMA_VERSION
+from tensortune.storage.synthetic import row_multiset, synthetic_batch, workload_key
 
 # What an older tensortune would not have written: the cost-model and FLOP columns.
 NEWER = ["model_version", "predicted_score", "flops", "gflops", "latencies", "host", "num_threads"]

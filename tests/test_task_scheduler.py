@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from codegen.target import make_task
-from search.task_scheduler import TaskScheduler, geomean_speedup, latency_requirements, similarity_tag
-from tasks.workload_registry import make_dag
+from tensortune.codegen.target import make_task
+from tensortune.search.task_scheduler import TaskScheduler, geomean_speedup, latency_requirements, similarity_tag
+from tensortune.tasks.workload_registry import make_dag
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_a_task_without_a_valid_program_does_not_blind_the_gradient(tasks):
 def test_similar_tasks_without_flops_leave_out_the_throughput_bound():
     """BERT's head transposes count no FLOPs and are similar to each other: the bound from the group's
     best FLOP/s (g2) must not divide by that zero; g1 alone is the forward estimate."""
-    from flows.tuning import network_tasks
+    from tensortune.flows.tuning import network_tasks
     _, bert = network_tasks("bert-base", "llvm", num_layers=1, seq_len=16)
     moves = [t for t in bert if t.name == "transpose"][:2]
     assert len(moves) == 2 and moves[0].flops == moves[1].flops == 0
@@ -158,7 +158,7 @@ def test_similar_tasks_without_flops_leave_out_the_throughput_bound():
 def test_objectives_by_name_for_the_flow_and_the_cli():
     """f1, f2 and f3 are selectable by name (the flow's and the CLI's --objective); a missing parameter is
     a clear error before anything runs."""
-    from search.task_scheduler import network_objective
+    from tensortune.search.task_scheduler import network_objective
     weights, costs = [2.0, 1.0], [0.5, 1.0]                      # network latency 2.0
     assert network_objective("f1", "n", weights)(costs) == 2.0
     assert network_objective("f2", "n", weights, latency_target_s=3.0)(costs) == 3.0
@@ -175,7 +175,7 @@ def test_objectives_by_name_for_the_flow_and_the_cli():
 def test_tune_rejects_a_bad_objective_before_starting_anything(tmp_path):
     from typer.testing import CliRunner
 
-    from flows import flow_cli
+    from tensortune.flows import flow_cli
     out = CliRunner().invoke(flow_cli.app, ["tune", "resnet-18", "--objective", "f3", "--records", str(tmp_path / "r")])
     assert out.exit_code == 1 and "f3 needs a positive reference latency" in out.output
     assert "Prefect API" not in out.output and not (tmp_path / "r").exists()

@@ -15,12 +15,12 @@ import time
 import pytest
 from distributed import Client, LocalCluster
 
-from codegen.measure import LocalRunner, ProgramMeasurer
-from codegen.target import default_threads, make_task
-from codegen.timing import TimingConfig
-from flows.dask_cluster import CPU_RESOURCE, workers_with
-from flows.dask_measure import DaskMeasurer
-from tasks.workload_registry import make_dag
+from tensortune.codegen.measure import LocalRunner, ProgramMeasurer
+from tensortune.codegen.target import default_threads, make_task
+from tensortune.codegen.timing import TimingConfig
+from tensortune.flows.dask_cluster import CPU_RESOURCE, workers_with
+from tensortune.flows.dask_measure import DaskMeasurer
+from tensortune.tasks.workload_registry import make_dag
 from tests.conftest import terminate
 from tests.schedules import tiled_schedule
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from codegen.target import make_task
-from flows.cli import app
-from flows.tuning import apply_best
-from storage.records import RecordStore
-from tasks.reference import evaluate, mismatch
-from tasks.workload_registry import make_dag
+from tensortune.codegen.target import make_task
+from tensortune.flows.cli import app
+from tensortune.flows.tuning import apply_best
+from tensortune.storage.records import RecordStore
+from tensortune.tasks.reference import evaluate, mismatch
+from tensortune.tasks.workload_registry import make_dag
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from flows.prefect_server import PrefectServer, api_healthy
-from flows.tuning import default_seeds, network_tasks
-from storage.records import RecordStore
+from tensortune.flows.prefect_server import PrefectServer, api_healthy
+from tensortune.flows.tuning import default_seeds, network_tasks
+from tensortune.storage.records import RecordStore
 from tests.test_flow_tune import read_back
 
 ROOT = Path(__file__).resolve().parents[1]
 # the console script pip installs; without one (a checkout run in place), the same entry point
 SCRIPT = Path(sys.executable).with_name("tensortune")
-COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-c", "from flows.cli import main; main()"]
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-c", "from tensortune.flows.cli import main; main()"]
 TRIALS = 36                 # resnet-18 has 18 tasks: each gets its default schedule and one sampled program
 
 

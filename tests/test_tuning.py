@@ -6,16 +6,16 @@ import math
 import numpy as np
 import pytest
 
-from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
-from codegen.target import make_task
-from codegen.timing import ErrorCode, TimingConfig
-from flows.tuning import apply_best, propose, run_round, tune_task
-from schedule.state import State
-from search.cost_model import XGBModel
-from search.sketch_policy import SearchParams, SketchPolicy
-from storage.records import RecordStore
-from tasks.reference import evaluate, mismatch
-from tasks.workload_registry import make_dag
+from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+from tensortune.codegen.target import make_task
+from tensortune.codegen.timing import ErrorCode, TimingConfig
+from tensortune.flows.tuning import apply_best, propose, run_round, tune_task
+from tensortune.schedule.state import State
+from tensortune.search.cost_model import XGBModel
+from tensortune.search.sketch_policy import SearchParams, SketchPolicy
+from tensortune.storage.records import RecordStore
+from tensortune.tasks.reference import evaluate, mismatch
+from tensortune.tasks.workload_registry import make_dag
 
 PARAMS = SearchParams(population=256, sample_init_population=256, num_iters=2, num_measures_per_round=16)
 
@@ -90,7 +90,7 @@ def test_the_trained_model_steers_evolution(measurer):
 
 def _mlp():
     """Two dense layers: a network of two tasks."""
-    from tasks.graph import GraphBuilder
+    from tensortune.tasks.graph import GraphBuilder
     rng = np.random.default_rng(0)
     g = GraphBuilder("mlp")
     x = g.input("x", (8, 32))
@@ -102,8 +102,8 @@ def _mlp():
 def test_tune_network_takes_a_network_and_its_records_run_it(tmp_path, measurer):
     # A Graph (an imported ONNX model is one too) goes straight to tune_network; the best records then
     # build the whole network, which matches the graph's NumPy reference.
-    from codegen.network_runtime import build_network
-    from flows.tuning import network_tasks, tune_network
+    from tensortune.codegen.network_runtime import build_network
+    from tensortune.flows.tuning import network_tasks, tune_network
     graph = _mlp()
     store = RecordStore(str(tmp_path / "records"))
     res = tune_network(graph, 16, measurer=measurer, params=SearchParams(population=64, sample_init_population=64,
@@ -125,7 +125,7 @@ def test_tune_network_takes_a_network_and_its_records_run_it(tmp_path, measurer)
 def test_two_network_tuners_take_turns_on_one_measurer(tmp_path, measurer):
     """The benchmark lets gradient and round-robin take turns so the machine's drift hits both: each
     stops at its own budget, and with the same seed their warm-up rounds measure the same programs."""
-    from flows.tuning import NetworkTuner, network_tasks
+    from tensortune.flows.tuning import NetworkTuner, network_tasks
     _, tasks = network_tasks(_mlp())
     params = SearchParams(population=32, sample_init_population=32, num_iters=1, num_measures_per_round=4)
     stores = {s: RecordStore(str(tmp_path / s)) for s in ("gradient", "round-robin")}

@@ -6,7 +6,7 @@ record, and a program with a record is never measured again. Here the start is m
 (the job module sleeps on import), so these checks do not depend on how busy the machine is."""
 from __future__ import annotations
 
-from codegen.worker_pool import WorkerPool
+from tensortune.codegen.worker_pool import WorkerPool
 
 START_S, TIMEOUT_S = 4.0, 2.0          # a start twice as long as the jobs' timeout
 

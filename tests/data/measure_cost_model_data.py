@@ -34,11 +34,11 @@ def main() -> None:
     import llvmlite
     import numpy as np
 
-    from codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
-    from codegen.target import make_task
-    from codegen.timing import TimingConfig
-    from search.sketch_policy import SketchPolicy
-    from tasks.workload_registry import make_dag
+    from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+    from tensortune.codegen.target import make_task
+    from tensortune.codegen.timing import TimingConfig
+    from tensortune.search.sketch_policy import SketchPolicy
+    from tensortune.tasks.workload_registry import make_dag
     task = make_task(make_dag(WORKLOAD, *ARGS), TARGET)
     cands = SketchPolicy(task, seed=SEED).sample(N)
     with ProgramMeasurer(LocalBuilder(), LocalRunner(config=TimingConfig(**TIMING))) as m:
