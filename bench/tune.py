@@ -16,6 +16,7 @@ import argparse
 import inspect
 import json
 import statistics
+from pathlib import Path
 
 from bench.common import (
     BATCHES,
@@ -207,6 +208,7 @@ def plot(curves: dict, path: str) -> None:
         ax.set_ylabel("best GFLOP/s")
         ax.legend(fontsize=7)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 
@@ -255,7 +257,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads of every side (ours, BLAS, PyTorch)")
     ap.add_argument("--pairs", type=int, default=PAIRS, help="timing pairs (alternating order)")
     ap.add_argument("--per-round", type=int, default=64)
-    ap.add_argument("--plot", default="docs/tune_curve.png")
+    ap.add_argument("--plot", default="bench/out/tune_curve.png", help="best-so-far curve (PNG); \"\" for none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--retime", metavar="JSON", help="re-time the fastest programs of a previous run's JSON "
                                                      "(no search)")
