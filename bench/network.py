@@ -274,6 +274,13 @@ def network_options(name: str, args) -> dict:
     return options
 
 
+def in_network_breakdown(compiled, tasks) -> list[float]:
+    """ms per call of each task inside the network (CompiledNetwork.profile: all its calls / weight), to
+    set beside the tuner's task_best_ms; an attribution of the estimate's gap, never a compared speed."""
+    spent = compiled.profile(repeat=5)
+    return [spent[i] / t.weight * 1e3 for i, t in enumerate(tasks)]
+
+
 def bench_network(name: str, args, torch, folder: str) -> dict:
     from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
     from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, build_network
@@ -335,7 +342,10 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
            "check_tolerance": NETWORK_TOLERANCE, "ort_vs_torch_error": ort_vs_torch,
            "tune_wall_s": wall, "est_latency_ms": grad.estimated_latency * 1e3,
            "gradient_curve": grad.curve, "task_best_ms": [c * 1e3 for c in grad.best_costs],
-           "task_weights": [t.weight for t in tasks], "workload_keys": [t.workload_key for t in tasks]}
+           "task_weights": [t.weight for t in tasks], "workload_keys": [t.workload_key for t in tasks],
+           # each task's time per call inside the tuned network (all its calls / weight), beside
+           # task_best_ms (timed alone by the tuner): where the estimate and the network part
+           "task_in_network_ms": in_network_breakdown(built["tuned"], tasks)}
     withhold_failed(row)
     row["est_vs_measured"] = (row["est_latency_ms"] / row["tuned_ms"]) if row["tuned_ms"] else None
     if "round-robin" in runs:

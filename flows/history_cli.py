@@ -100,8 +100,14 @@ def _print(frame: pd.DataFrame, title: str, columns: list[tuple[str, str, object
     for header, _, _ in columns:
         table.add_column(header, overflow="fold")
     for row in frame.to_dict("records"):
-        table.add_row(*[fmt(row[name]) for _, name, fmt in columns])  # type: ignore[operator]
+        table.add_row(*[fmt(_task(row) if name == "task_name" else row[name])  # type: ignore[operator]
+                        for _, name, fmt in columns])
     console.print(table)
+
+
+def _task(row: dict) -> str:
+    """The task as a person reads it: its label with shapes (records before schema v3: its name)."""
+    return str(row.get("task_label") or row["task_name"])
 
 
 def _ms(seconds: float) -> str:

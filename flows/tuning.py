@@ -84,7 +84,7 @@ def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureRe
     for i, (c, r) in enumerate(zip(cands, results)):
         out.append(MeasureRecord(
             workload_key=task.workload_key, target=task.target, steps=c.steps_json, flow_run_id=flow_run_id,
-            round=round_, task_name=task.name, network=network, latencies=list(r.costs),
+            round=round_, task_name=task.name, task_label=task.label, network=network, latencies=list(r.costs),
             mean_latency=r.mean, error_code=int(r.error_code), error_msg=r.error_msg[:2000],
             build_seconds=r.build_seconds, run_seconds=r.run_seconds, model_version=model_version,
             predicted_score=float(scores[i]) if scores is not None else math.nan, flops=task.flops, host=r.host,

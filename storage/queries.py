@@ -54,9 +54,9 @@ def history_table(frame: pd.DataFrame, per: str) -> pd.DataFrame:
     if per not in ("run", "round"):
         raise ValueError(f"per={per!r}: use 'run' or 'round'")
     keys = ["target", "workload_key", "flow_run_id"] + (["round"] if per == "round" else [])
-    columns = [*keys, "task_name", "network", "timestamp", "mean_latency", "gflops", "error_code"]
+    columns = [*keys, "task_name", "task_label", "network", "timestamp", "mean_latency", "gflops", "error_code"]
     if frame.empty:
-        return pd.DataFrame(columns=[*keys, "task_name", "start", "end", "n_records", "n_errors",
+        return pd.DataFrame(columns=[*keys, "task_name", "task_label", "start", "end", "n_records", "n_errors",
                                      "best_latency", "best_gflops", "best_so_far"])
     work = frame[columns].copy()
     ok = ok_mask(work)
@@ -64,7 +64,7 @@ def history_table(frame: pd.DataFrame, per: str) -> pd.DataFrame:
     work["_gflops"] = np.where(ok, work["gflops"], np.nan)
     work["_error"] = work["error_code"] != 0
     table = (work.groupby(keys, observed=True, sort=False)
-             .agg(task_name=("task_name", "first"), start=("timestamp", "min"),
+             .agg(task_name=("task_name", "first"), task_label=("task_label", "last"), start=("timestamp", "min"),
                   end=("timestamp", "max"), n_records=("timestamp", "size"),
                   n_errors=("_error", "sum"), best_latency=("_latency", "min"),
                   best_gflops=("_gflops", "max"))

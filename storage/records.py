@@ -180,7 +180,7 @@ class RecordStore:
         per flow run (per="run") or per round (per="round"), oldest first, with `best_so_far`."""
         filter = _all_of((pc.field("workload_key") == task) | (pc.field("task_name") == task),
                          _match("network", network))
-        columns = ["target", "workload_key", "flow_run_id", "round", "task_name", "network",
+        columns = ["target", "workload_key", "flow_run_id", "round", "task_name", "task_label", "network",
                    "timestamp", "mean_latency", "gflops", "error_code"]
         frame = self._scanner.scan(columns, filter, _targets(target)).to_pandas()
         return history_table(frame, per)

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 import pandas as pd
 import pyarrow as pa
 
-SCHEMA_VERSION = 2   # 2: num_threads
+SCHEMA_VERSION = 3   # 2: num_threads; 3: task_label
 
 # TVM's auto_scheduler MeasureErrorNo, so error codes mean the same thing in both tools.
 ERROR_NAMES: dict[int, str] = {
@@ -60,6 +60,7 @@ class MeasureRecord:
     round: int = 0
     timestamp: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     task_name: str = ""
+    task_label: str = ""  # the op name with its shapes, e.g. "conv2d_bias_relu 1x64x56x56, 64x64x3x3, 64 -> 1x64x56x56"
     network: str = ""
     host: str = field(default_factory=socket.gethostname)
     latencies: list[float] = field(default_factory=list)  # seconds, one per repeat
@@ -101,6 +102,7 @@ FILE_SCHEMA = pa.schema([
     ("timestamp", pa.timestamp("us", tz="UTC")),
     ("workload_key", pa.string()),
     ("task_name", pa.string()),
+    ("task_label", pa.string()),
     ("network", pa.string()),
     ("host", pa.string()),
     ("steps", pa.string()),
@@ -131,12 +133,12 @@ REQUIRED_COLUMNS: tuple[str, ...] = ("record_id", "workload_key", "steps", "mean
                                      "error_code", "schema_version")
 
 # What a column reads as in a file written before the column existed. A version that adds a column adds
-# its default here (version 2 added num_threads: 0, "not recorded").
+# its default here (version 2 added num_threads: 0, "not recorded"; version 3 task_label: "").
 COLUMN_DEFAULTS: dict[str, Any] = {
     "flow_run_id": "", "round": 0, "task_name": "", "network": "", "host": "", "latencies": [],
     "gflops": math.nan, "error_msg": "", "build_seconds": math.nan, "run_seconds": math.nan,
     "model_version": "", "predicted_score": math.nan, "tool_version": "unknown", "flops": math.nan,
-    "num_threads": 0,
+    "num_threads": 0, "task_label": "",
 }
 
 if set(RECORD_COLUMNS) != {f.name for f in fields(MeasureRecord)}:

@@ -240,6 +240,14 @@ class ComputeDAG:
     def __str__(self) -> str:
         return self.to_text()
 
+    @property
+    def shape_signature(self) -> str:
+        """The argument shapes, inputs then outputs: '1x64x56x56, 64x64x3x3, 64 -> 1x64x56x56'. Tasks
+        that share an op name (ResNet-18 has four conv2d_bias_relu) read apart by it."""
+        def dims(t: Tensor) -> str:
+            return "x".join(str(d) for d in t.shape) or "scalar"
+        return ", ".join(dims(t) for t in self.inputs) + " -> " + ", ".join(dims(t) for t in self.outputs)
+
     @cached_property
     def canonical_text(self) -> str:
         """Text with positional names: equal for DAGs that differ only in tensor and axis names."""

@@ -37,6 +37,11 @@ class SearchTask:
         return self.dag.workload_key
 
     @property
+    def label(self) -> str:
+        """What a person reads in the history: the op name and its shapes (the workload key is a hash)."""
+        return f"{self.name or self.dag.name} {self.dag.shape_signature}".strip()
+
+    @property
     def target_kind(self) -> str:
         return self.target.split()[0]
 

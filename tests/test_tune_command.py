@@ -134,3 +134,37 @@ def test_the_run_is_on_the_server_with_its_artifacts(run):
     assert sum(n.startswith("measure-r") for n in names) == 18
     assert any(n.startswith("build-and-time-network") for n in names)
     assert all(t.state.is_completed() for t in task_runs), [(t.name, t.state.type) for t in task_runs]
+
+
+def _readme_block(after: str) -> str:
+    """The first ```python block of the README after the line that starts with `after`."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python", text.index(after)) + len("```python")
+    return text[start:text.index("```", start)]
+
+
+def test_the_readme_history_recipes_answer_per_shape(run):
+    """The README's pandas block, run as written against the store the command wrote, answers per task
+    (per shape), not per op name, which four ResNet-18 convolutions share."""
+    code, text, records, _ = run
+    assert code == 0, text[-5000:]
+    scope: dict = {}
+    block = _readme_block("The history is a hive-partitioned Parquet dataset")
+    exec(block.replace('"tuning-records"', repr(records)), scope)
+
+    net, tasks = network_tasks("resnet-18", image_size=32)
+    frame = RecordStore(records).read()
+    ok = frame[frame["error_code"] == 0]
+    label = {t.workload_key: t.label for t in tasks}
+    assert (frame["task_label"] == frame["workload_key"].map(label)).all()
+    expected = {label[k]: v for k, v in ok.groupby("workload_key")["mean_latency"].min().items()}
+    assert len(expected) == len(tasks) and dict(scope["best"].droplevel("target")) == pytest.approx(expected)
+
+    convs = {t.label for t in tasks if t.name == "conv2d_bias_relu"}
+    assert len(convs) > 1
+    per_run = scope["per_run"]
+    assert set(per_run.index.get_level_values("task_label")) == convs
+    for (shape, run_id), gflops in per_run.items():
+        key = next(t.workload_key for t in tasks if t.label == shape)
+        assert gflops == pytest.approx(ok[(ok["workload_key"] == key) & (ok["flow_run_id"] == run_id)]["gflops"].max())
+    assert scope["errors"].sum() == len(frame)
