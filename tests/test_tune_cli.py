@@ -63,3 +63,9 @@ def test_bad_input_exits_with_a_clear_message(argv, message):
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 2, result.output
     assert "error" in result.output and message.lower() in result.output.lower(), result.output
+
+
+def test_version_is_the_installed_package_version():
+    from importlib import metadata
+    out = CliRunner().invoke(app, ["--version"])
+    assert out.exit_code == 0 and out.output.strip() == f"tensortune {metadata.version('tensortune')}"
