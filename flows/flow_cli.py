@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tensortune.flows.cli_app import app
+from tensortune.flows.cli_input import USAGE, check_cluster, check_count, fail, records_to_write
 from tensortune.flows.network_cli import (
     BatchOption,
     ImageSizeOption,
@@ -25,16 +26,12 @@ from tensortune.flows.network_cli import (
     SeqLenOption,
     TargetOption,
     ThreadsOption,
+    load_network,
     with_threads,
 )
 from tensortune.flows.tuned_network import GAP_WARNING
 
 console = Console(width=max(120, Console().width))
-
-
-def _fail(message: str) -> None:
-    Console(stderr=True).print(f"[red]error:[/red] {message}", markup=True, highlight=False)
-    raise typer.Exit(code=1)
 
 
 def _records_url(records: str) -> str:
@@ -43,7 +40,7 @@ def _records_url(records: str) -> str:
 
 @app.command("tune")
 def tune(network: NetworkArg,
-         trials: Annotated[int, typer.Option("--trials", min=1, help="Programs to measure in this run.")] = 200,
+         trials: Annotated[int, typer.Option("--trials", help="Programs to measure in this run.")] = 200,
          records: Annotated[str, typer.Option("--records", envvar="TENSORTUNE_RECORDS",
                                               help="Record store (folder or URL); the run resumes from it.")]
          = "./tuning-records",
@@ -53,7 +50,7 @@ def tune(network: NetworkArg,
          target: TargetOption = "llvm", threads: ThreadsOption = None, batch: BatchOption = None,
          image_size: ImageSizeOption = None,
          seq_len: SeqLenOption = None, layers: LayersOption = None, input_shape: InputShapeOption = None,
-         per_round: Annotated[int, typer.Option("--per-round", min=1, help="Measurements per round.")] = 64,
+         per_round: Annotated[int, typer.Option("--per-round", help="Measurements per round.")] = 64,
          retrain_every: Annotated[int, typer.Option("--retrain-every", min=1,
                                                     help="Retrain the cost model every R rounds.")] = 2,
          population: Annotated[Optional[int], typer.Option(
@@ -85,20 +82,26 @@ def tune(network: NetworkArg,
     from tensortune.flows.dask_cluster import ClusterError
     from tensortune.flows.prefect_server import PrefectServerError, ensure_server
     from tensortune.flows.tune_flow import tune_network_flow
-    url = _records_url(records)
     from tensortune.search.task_scheduler import network_objective
-    try:                                      # bad input fails before anything starts
+    # bad input fails before anything starts (server, cluster, flow run)
+    check_count("--trials", trials)
+    check_count("--per-round", per_round)
+    url = _records_url(records_to_write(records))
+    load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
+                 input_shapes=input_shape)
+    try:
         parse_target(with_threads(target, threads))
         if objective is not None or reference_ms is not None:
             network_objective(objective or ("f2" if latency_target_ms is not None else "f1"), network, [1.0],
                               latency_target_s=latency_target_ms / 1e3 if latency_target_ms else None,
                               reference_s=reference_ms / 1e3 if reference_ms else None)
     except (TargetError, ValueError) as err:
-        _fail(str(err))
+        fail(str(err), USAGE)
+    check_cluster(cluster)
     try:
         server = ensure_server(port)
     except PrefectServerError as err:
-        _fail(str(err))
+        fail(str(err))
     how = "started" if server.started_here else "using"
     console.print(f"Prefect API: {how} {server.api_url}" + (f" (pid {server.pid})" if server.pid else ""))
     search = {"population": population, "sample_init_population": population} if population else None
@@ -120,10 +123,10 @@ def tune(network: NetworkArg,
         try:
             state.result()
         except (ClusterError, ValueError, OSError) as err:
-            _fail(str(err))
+            fail(str(err))
         except Exception as err:  # noqa: BLE001 - the flow's own failure, shown in full in the UI
-            _fail(f"the flow run ended {state.type.value}: {type(err).__name__}: {err}")
-        _fail(f"the flow run ended {state.type.value}")
+            fail(f"the flow run ended {state.type.value}: {type(err).__name__}: {err}")
+        fail(f"the flow run ended {state.type.value}")
 
 
 def _where(records: str, server, run_id, stop: bool) -> None:

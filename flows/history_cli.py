@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Annotated, Callable, NoReturn, Optional
+from typing import Annotated, Callable, Optional
 
 import pandas as pd
 import typer
@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tensortune.flows.cli_app import app
+from tensortune.flows.cli_input import fail, records_to_read
 from tensortune.storage.integrity import BadFileError
 from tensortune.storage.records import DEFAULT_ROOT, RecordStore
 
@@ -42,6 +43,9 @@ def history(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None
         return
     frame = _query(lambda: store.history(task, target=target, network=network,
                                          per="round" if per_round else "run"))
+    if frame.empty:
+        fail(f"no records of task {task!r} in {records} (a task's name or workload key; `tensortune best` "
+             "lists them)")
     columns = [("target", "target", str), ("task", "task_name", str), ("workload key", "workload_key", _short),
                ("flow run", "flow_run_id", str)]
     if per_round:
@@ -67,10 +71,10 @@ def best(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None,
 
 def _open(records: str, quarantine: bool) -> RecordStore:
     try:
-        return RecordStore(records, on_bad_file="quarantine" if quarantine else "raise",
+        return RecordStore(records_to_read(records), on_bad_file="quarantine" if quarantine else "raise",
                            auto_compact=None)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 def _query(run: Callable[[], pd.DataFrame]) -> pd.DataFrame:
@@ -80,15 +84,10 @@ def _query(run: Callable[[], pd.DataFrame]) -> pd.DataFrame:
             warnings.simplefilter("always")
             frame = run()
     except (BadFileError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     for warning in caught:
         Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning.message}", highlight=False)
     return frame
-
-
-def _fail(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[red]error:[/red] {message}", markup=True, highlight=False)
-    raise typer.Exit(code=1)
 
 
 def _print(frame: pd.DataFrame, title: str, columns: list[tuple[str, str, object]]) -> None:

@@ -1,14 +1,14 @@
 """`tensortune extract` and `tensortune run-network`: a network's tuning tasks, and the network run end to end."""
 from __future__ import annotations
 
-import os
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from tensortune.flows.cli_app import app
+from tensortune.flows.cli_input import USAGE, fail, records_to_read
 from tensortune.tasks.extract import ExtractError, NetworkTasks, extract_tasks
 from tensortune.tasks.graph import Graph
 from tensortune.tasks.graph_ops import GraphError
@@ -36,23 +36,19 @@ def with_threads(target: str, threads: int | None) -> str:
     return " ".join(kept + [f"-num-threads={threads}"])
 
 
-def _load(network: str, **kw) -> Graph:
+def load_network(network: str, **kw) -> Graph:
+    """The network a command names (a builder or an .onnx file), or one clear error line."""
     try:
         return load_graph(network, **kw)
     except (GraphError, ValueError, TypeError) as err:
-        _fail(str(err))
+        fail(str(err), USAGE)
 
 
 def _extract(graph: Graph) -> NetworkTasks:
     try:
         return extract_tasks(graph)
     except (ExtractError, GraphError) as err:
-        _fail(str(err))
-
-
-def _fail(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[red]error:[/red] {message}", markup=True, highlight=False)
-    raise typer.Exit(code=1)
+        fail(str(err))
 
 
 @app.command("extract")
@@ -61,13 +57,13 @@ def extract(network: NetworkArg, batch: BatchOption = None, seq_len: SeqLenOptio
             input_shape: InputShapeOption = None, target: TargetOption = "llvm") -> None:
     """The network's tuning tasks: fused subgraphs deduplicated by workload key, with weights and FLOPs."""
     from tensortune.codegen.target import TargetError, make_task
-    graph = _load(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
+    graph = load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                   input_shapes=input_shape)
     net = _extract(graph)
     try:
         tasks = [make_task(t.dag, target, t.name, t.weight) for t in net.tasks]
     except TargetError as err:
-        _fail(str(err))
+        fail(str(err))
     table = Table(title=f"{graph.name}: {len(tasks)} tasks from {len(net.groups)} subgraphs "
                         f"({tasks[0].target if tasks else target})")
     for header in ("#", "task", "weight", "output", "MFLOP", "weighted GFLOP", "workload key"):
@@ -100,20 +96,16 @@ def run_network(network: NetworkArg,
     from tensortune.codegen.target import TargetError
     from tensortune.flows.tuned_network import measure_tuned_network
     from tensortune.storage.records import RecordStore
-    graph = _load(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
+    store = RecordStore(records_to_read(records), auto_compact=None) if records else None
+    graph = load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                   input_shapes=input_shape)
     net = _extract(graph)
     target = with_threads(target, threads)
-    store = None
-    if records:
-        if "://" not in records and not os.path.isdir(records):
-            _fail(f"no record store at {records}")
-        store = RecordStore(records, auto_compact=None)
     console = Console(width=max(120, Console().width))
     try:
         timing = measure_tuned_network(net, store, target, repeat=repeat, check=check)
     except (TargetError, OSError, ValueError) as err:
-        _fail(str(err))
+        fail(str(err))
     table = Table(title=f"{graph.name}: {len(net.tasks)} tasks on {timing.target}")
     for header in ("#", "task", "weight", "estimated ms", "ms per run", "schedule"):
         table.add_column(header)

@@ -1,6 +1,7 @@
 """`tensortune tune-op` and `tensortune show`: tune one operator, or print a schedule's loop nest."""
 from __future__ import annotations
 
+import os
 import time
 
 import typer
@@ -8,6 +9,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from tensortune.flows.cli_app import app
+from tensortune.flows.cli_input import (
+    USAGE,
+    check_count,
+    check_model,
+    check_workload_args,
+    fail,
+    records_to_read,
+    records_to_write,
+)
 
 console = Console()
 
@@ -46,13 +56,13 @@ def parse_args(text: str) -> tuple[list, dict]:
 
 def _task(op: str, args: str, target: str):
     from tensortune.codegen.target import make_task
-    from tensortune.tasks.workload_registry import make_dag
+    from tensortune.tasks.workload_registry import make_dag, workload_signature
     pos, kw = parse_args(args)
     try:
+        check_workload_args(op, workload_signature(op), pos)
         return make_task(make_dag(op, *pos, **kw), target)
     except (KeyError, TypeError, ValueError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from None
+        fail(str(err).strip('"'), USAGE)
 
 
 @app.command("tune-op")
@@ -69,8 +79,11 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
     from tensortune.schedule.state import State
     from tensortune.search.sketch_policy import SearchParams
     from tensortune.storage.records import RecordStore
+    check_count("--trials", trials)
+    check_count("--per-round", per_round)
+    check_model(model)
     task = _task(op, args, target)
-    store = RecordStore(records) if records else None
+    store = RecordStore(records_to_write(records)) if records else None
     console.print(f"tuning [bold]{task.name}[/bold] ({task.flops / 1e9:.3f} GFLOP) on {task.target}, "
                   f"{trials} trials, records: {records or 'none'}")
     columns = [TextColumn("round {task.fields[round]}"), BarColumn(),
@@ -89,8 +102,7 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
         result = tune_task(task, trials, model=model, params=SearchParams(num_measures_per_round=per_round),
                            records=store, seed=seed, progress=progress)
     if result.best_steps is None:
-        console.print("[red]no program ran successfully[/red]")
-        raise typer.Exit(1)
+        fail(f"no program ran successfully in {result.trials} trials (see the error records in {records or 'the log'})")
     state = State.from_json(task.dag, result.best_steps)
     console.print(f"best: {result.best_latency * 1e3:.3f} ms, {result.best_gflops:.1f} GFLOP/s after "
                   f"{result.trials} trials in {time.time() - start:.0f} s "
@@ -106,23 +118,25 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
 def show(op: str = typer.Argument(..., help="registered workload"),
          args: str = typer.Option("", "--args"),
          steps: str = typer.Option("", help="a step list (JSON); default: the best record, else the naive one"),
-         records: str = typer.Option("./tuning-records"),
+         records: str = typer.Option(None, help="record store to take the best record from "
+                                                 "(default: ./tuning-records if it exists); '' for none"),
          target: str = typer.Option("llvm")) -> None:
     """Print a schedule as TVM prints a State and as the lowered loop nest."""
     from tensortune.flows.tuning import best_steps
     from tensortune.schedule.stage import IllegalStep
     from tensortune.schedule.state import State
     from tensortune.storage.records import RecordStore
+    if records is None:
+        records = "./tuning-records" if os.path.isdir("./tuning-records") else ""
+    elif records:
+        records_to_read(records)
     task = _task(op, args, target)
     if not steps and records:
-        import os
-        if os.path.exists(records) or "://" in records:
-            steps = best_steps(task, RecordStore(records)) or ""
+        steps = best_steps(task, RecordStore(records)) or ""
     try:
         state = State.from_json(task.dag, steps) if steps else State(task.dag)
     except IllegalStep as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from None
+        fail(str(err), USAGE)
     print_code(task.dag.to_text())
     print_code(str(state))
     print_code(loop_nest(state, task))

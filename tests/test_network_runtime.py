@@ -142,9 +142,9 @@ def test_cli_extract(tmp_path):
     total = float(re.search(r"total: ([\d.]+) GFLOP per run", out.output)[1])
     assert total == pytest.approx(sum(float(r[5]) for r in rows.values()), abs=0.01)
     bad = runner.invoke(app, ["extract", "resnet-18", "--seq-len", "8"])
-    assert bad.exit_code == 1 and "does not take seq_len" in bad.output
+    assert bad.exit_code == 2 and "does not take seq_len" in bad.output          # 2: a usage error
     missing = runner.invoke(app, ["extract", str(tmp_path / "model.onnx")])
-    assert missing.exit_code == 1 and "no such file" in missing.output
+    assert missing.exit_code == 2 and "no such file" in missing.output
 
 
 def test_cli_run_network_with_records(tmp_path):
@@ -173,4 +173,4 @@ def test_cli_run_network_onnx(tmp_path):
     assert out.exit_code == 0, out.output
     assert "conv2d_relu" in out.output and "OK" in out.output
     bad = runner.invoke(app, ["run-network", str(path)])
-    assert bad.exit_code == 1 and "symbolic dimension 'n'" in bad.output
+    assert bad.exit_code == 2 and "symbolic dimension 'n'" in bad.output

@@ -39,7 +39,10 @@ def test_best_and_history_tables(tmp_path):
 
 
 def test_empty_and_broken_stores(tmp_path):
-    empty = runner.invoke(app, ["best", "--records", str(tmp_path / "nothing")])
+    missing = runner.invoke(app, ["best", "--records", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2 and "no record store at" in missing.output     # a typo is not an empty store
+    (tmp_path / "empty").mkdir()
+    empty = runner.invoke(app, ["best", "--records", str(tmp_path / "empty")])
     assert empty.exit_code == 0 and "no records" in empty.output
     _store(tmp_path)
     (tmp_path / "stray.txt").write_text("hello")

@@ -177,7 +177,7 @@ def test_tune_rejects_a_bad_objective_before_starting_anything(tmp_path):
 
     from tensortune.flows import flow_cli
     out = CliRunner().invoke(flow_cli.app, ["tune", "resnet-18", "--objective", "f3", "--records", str(tmp_path / "r")])
-    assert out.exit_code == 1 and "f3 needs a positive reference latency" in out.output
+    assert out.exit_code == 2 and "f3 needs a positive reference latency" in out.output
     assert "Prefect API" not in out.output and not (tmp_path / "r").exists()
     bad = CliRunner().invoke(flow_cli.app, ["tune", "resnet-18", "--target", "llvm -num-threads=0"])
-    assert bad.exit_code == 1 and "-num-threads must be a positive integer" in bad.output
+    assert bad.exit_code == 2 and "-num-threads must be a positive integer" in bad.output

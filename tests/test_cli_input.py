@@ -1,0 +1,67 @@
+"""Every CLI mistake a user makes is answered before anything starts: one `error:` line, a non-zero exit,
+no traceback, no Prefect server or flow run (issue 20). Run through typer's runner, in process."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from tensortune.flows.cli import app
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:          # bound, never listening: a connection to it is refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.delenv("TENSORTUNE_RECORDS", raising=False)
+    monkeypatch.delenv("TENSORTUNE_CLUSTER", raising=False)
+    (tmp_path / "a-file").write_text("not a store")
+    (tmp_path / "random.onnx").write_bytes(bytes(range(256)) * 4)
+    store = tmp_path / "store"
+    store.mkdir()
+    return {"file": str(tmp_path / "a-file"), "missing": str(tmp_path / "nowhere"), "store": str(store),
+            "onnx": str(tmp_path / "random.onnx")}
+
+
+MISTAKES = [
+    (["tune-op", "matmul", "--args", "128,128", "--trials", "1"], 2, "matmul takes 3 sizes (N, M, K), got 2"),
+    (["tune-op", "matmul", "--trials", "0"], 2, "--trials must be between 1 and"),
+    (["tune-op", "matmul", "--trials", "-5"], 2, "--trials must be between 1 and"),
+    (["tune-op", "matmul", "--trials", str(10 ** 12)], 2, "--trials must be between 1 and"),
+    (["tune-op", "matmul", "--per-round", "0"], 2, "--per-round must be between 1 and"),
+    (["tune-op", "matmul", "--model", "foo", "--trials", "1"], 2, "unknown cost model 'foo'"),
+    (["tune-op", "matmul", "--records", "{file}", "--trials", "1"], 2, "is a file"),
+    (["best", "--records", "{missing}"], 2, "no record store at"),
+    (["best", "--records", "{file}"], 2, "is a file, not a record store"),
+    (["history", "--records", "{missing}"], 2, "no record store at"),
+    (["history", "--task", "no_such_task", "--records", "{store}"], 1, "no records of task 'no_such_task'"),
+    (["show", "matmul", "--records", "{missing}"], 2, "no record store at"),
+    (["run-network", "resnet-18", "--records", "{missing}"], 2, "no record store at"),
+    (["run-network", "resnet-18", "--records", "{file}"], 2, "is a file"),
+    (["tune", "nosuchnet"], 2, "unknown network 'nosuchnet'"),
+    (["tune", "{onnx}"], 2, "not a valid ONNX model"),
+    (["tune", "{missing}.onnx"], 2, "no such file"),
+    (["tune", "resnet-18", "--trials", "0"], 2, "--trials must be between 1 and"),
+    (["tune", "resnet-18", "--per-round", "0"], 2, "--per-round must be between 1 and"),
+    (["tune", "resnet-18", "--records", "{file}/records"], 2, "is a file"),
+    (["tune", "resnet-18", "--target", "llvm -num-threads=0"], 2, "num-threads"),
+    (["tune", "resnet-18", "--cluster", "nonsense"], 2, "is not a scheduler address"),
+    (["tune", "resnet-18", "--cluster", "tcp://127.0.0.1:{closed}"], 1, "no Dask scheduler answers"),
+]
+
+
+@pytest.mark.parametrize("argv,code,message", MISTAKES, ids=[" ".join(m[0][:3]) for m in MISTAKES])
+def test_a_mistake_is_one_line_and_a_nonzero_exit(paths, argv, code, message):
+    argv = [a.format(closed=_closed_port(), **paths) for a in argv]
+    result = CliRunner().invoke(app, argv)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == code, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+    assert "Traceback" not in result.output and "Prefect API" not in result.output
