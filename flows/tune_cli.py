@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
+from datetime import datetime, timezone
 
 import typer
 from rich.console import Console
@@ -54,6 +56,13 @@ def parse_args(text: str) -> tuple[list, dict]:
     return pos, kw
 
 
+def cli_run_id(command: str) -> str:
+    """The run id of a command-line run (the records' flow_run_id: a flow's runs have Prefect's): the
+    command and its UTC start, readable in `tensortune history`, plus a random part, so two runs made the
+    same second never merge into one."""
+    return f"{command}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+
+
 def _task(op: str, args: str, target: str):
     from tensortune.codegen.target import make_task
     from tensortune.tasks.workload_registry import make_dag, workload_signature
@@ -84,8 +93,9 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
     check_model(model)
     task = _task(op, args, target)
     store = RecordStore(records_to_write(records)) if records else None
+    run_id = cli_run_id("tune-op")
     console.print(f"tuning [bold]{task.name}[/bold] ({task.flops / 1e9:.3f} GFLOP) on {task.target}, "
-                  f"{trials} trials, records: {records or 'none'}")
+                  f"{trials} trials, records: {records or 'none'}, run {run_id}")
     columns = [TextColumn("round {task.fields[round]}"), BarColumn(),
                TextColumn("{task.completed}/{task.total} trials"),
                TextColumn("best {task.fields[best]:.1f} GFLOP/s"), TextColumn("{task.fields[model]}"),
@@ -100,7 +110,7 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
             bar.update(pid, completed=log.trials, round=log.round, best=log.best_gflops, model=model)
 
         result = tune_task(task, trials, model=model, params=SearchParams(num_measures_per_round=per_round),
-                           records=store, seed=seed, progress=progress)
+                           records=store, seed=seed, flow_run_id=run_id, progress=progress)
     if result.best_steps is None:
         fail(f"no program ran successfully in {result.trials} trials (see the error records in {records or 'the log'})")
     state = State.from_json(task.dag, result.best_steps)

@@ -42,6 +42,22 @@ def test_tune_op_prints_progress_schedule_and_loop_nest(tuned):
     assert mismatch(c, evaluate(task.dag, inputs)[0]) is None
 
 
+def test_each_tune_op_run_is_a_run_of_its_own(tmp_path):
+    """Two tune-op runs on one store are two runs in `history`, each with its own rounds."""
+    records = str(tmp_path / "records")
+    for trials in ("8", "4"):
+        out = CliRunner().invoke(app, ["tune-op", "matmul", "--args", "16,16,16", "--trials", trials,
+                                       "--per-round", "4", "--records", records])
+        assert out.exit_code == 0, out.output
+    frame = RecordStore(records).read()
+    runs = frame.groupby("flow_run_id").size()
+    assert sorted(runs.tolist()) == [4, 8] and all(r.startswith("tune-op-") for r in runs.index)
+    assert set(frame[frame["flow_run_id"] == runs.idxmin()]["round"]) == {0}
+    key = make_task(make_dag("matmul", 16, 16, 16)).workload_key
+    history = CliRunner().invoke(app, ["history", "--task", key, "--records", records], env={"COLUMNS": "250"})
+    assert history.exit_code == 0 and all(r[:16] in history.output for r in runs.index), history.output
+
+
 def test_show_prints_the_stored_best(tuned):
     records, tuned_result = tuned
     best = tuned_result.output.split("steps: ", 1)[1].strip().splitlines()[0]
