@@ -1,6 +1,7 @@
 """DaskMeasurer on a real LocalCluster of 2 workers with resources: results in order, a crashing kernel
 costs one record (never a Dask worker), timings go only to workers holding the task's resource, a worker
-killed mid-round costs retries but no record, and a bad cluster is a clear error."""
+killed mid-round costs retries but no record, one killed holding finished results loses none of them,
+and a bad cluster is a clear error."""
 from __future__ import annotations
 
 import os
@@ -167,6 +168,45 @@ def test_a_worker_killed_mid_round_costs_retries_not_records(cluster, task):
     assert len(results) == len(steps)
     assert all(r.ok for r in results), [r.error_msg for r in results if not r.ok]
     assert killed not in cluster.run(os.getpid).values()        # that worker is gone (the nanny made a new one)
+
+
+class KillsAWorkerHoldingResults(DaskMeasurer):
+    """Fault injection at the measurer's weakest moment: right after a wait for timings returns (some
+    have finished, their results still on the workers), SIGKILL the worker holding the most of them,
+    once. A measurer that collects results after that moment without re-timing the lost ones records
+    finished measurements as errors."""
+
+    def __init__(self, *args, pids: dict[str, int], **kw):
+        super().__init__(*args, **kw)
+        self.pids, self.killed, self.held = pids, None, 0
+
+    def _wait(self, futures, deadline, return_when="ALL_COMPLETED"):
+        super()._wait(futures, deadline, return_when)
+        runs = [f for f in futures if str(f.key).startswith("run-") and f.status == "finished"]
+        if self.killed is None and runs:
+            holders: dict[str, int] = {}
+            for workers in self.client.who_has(runs).values():
+                for w in workers:
+                    holders[w] = holders.get(w, 0) + 1
+            worker = max((w for w in holders if w in self.pids), key=holders.get, default=None)
+            if worker is not None:
+                os.kill(self.pids[worker], signal.SIGKILL)
+                self.killed, self.held = self.pids[worker], holders[worker]
+                until = time.monotonic() + 30       # return once the client knows those results are gone
+                while time.monotonic() < until and not any(f.status == "lost" for f in runs):
+                    time.sleep(0.01)
+
+
+def test_a_worker_killed_holding_finished_results_loses_no_measurement(cluster, task):
+    steps = programs(task, 8, seed=5)
+    measurer = KillsAWorkerHoldingResults(cluster, timing=TIMING, build_timeout=120, run_timeout=120,
+                                          pids=cluster.run(os.getpid))
+    results = measurer.measure(task, steps)
+    assert measurer.killed is not None and measurer.held >= 1        # the fault happened
+    assert len(results) == len(steps)
+    assert all(r.ok for r in results), [r.error_msg for r in results if not r.ok]
+    assert measurer.stats.lost == 0
+    assert measurer.killed not in cluster.run(os.getpid).values()
 
 
 def _executing(log: list, prefix: str) -> list[tuple[int, int]]:
