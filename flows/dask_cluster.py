@@ -15,6 +15,8 @@ from typing import Iterator
 import dask
 from distributed import Client, LocalCluster
 
+from tensortune.flows.cluster_security import client_security
+
 CLUSTER_ENV = "TENSORTUNE_CLUSTER"          # the address to join when no --cluster is given
 CLUSTER_VARIABLE = "tensortune_cluster"     # the same, as a Prefect Variable (for deployments)
 CPU_RESOURCE = "measure-cpu"
@@ -58,12 +60,17 @@ def resolve_address(address: str | None) -> str | None:
 
 
 def connect(address: str, timeout: float = 10.0) -> Client:
-    """A client of the running cluster at `address`, or a ClusterError saying what to do."""
+    """A client of the running cluster at `address`, or a ClusterError saying what to do. A tls://
+    address is joined with the certificates in $TENSORTUNE_TLS_DIR (flows/cluster_security.py)."""
     if "://" not in address:
-        raise ClusterError(f"cluster address {address!r} has no scheme: write tcp://HOST:8786 "
+        raise ClusterError(f"cluster address {address!r} has no scheme: write tls://HOST:8786 or tcp://HOST:8786 "
                            "(or leave --cluster out to start a local cluster)")
     try:
-        return Client(address, timeout=timeout, set_as_default=False)
+        security = client_security(address)
+    except (OSError, ValueError) as err:
+        raise ClusterError(str(err)) from None
+    try:
+        return Client(address, timeout=timeout, set_as_default=False, security=security)
     except (OSError, TimeoutError) as err:
         raise ClusterError(
             f"cannot reach the Dask scheduler at {address} within {timeout:.0f} s ({type(err).__name__}: {err}). "

@@ -8,6 +8,7 @@ command ends. `ensure_server` reuses a healthy server on the port, or starts one
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -87,9 +88,15 @@ def _alive(pid: int) -> bool:
 
 
 def api_healthy(api_url: str, timeout: float = 2.0) -> bool:
-    """True when `api_url` answers Prefect's health check."""
+    """True when `api_url` answers Prefect's health check (with PREFECT_API_AUTH_STRING's basic auth,
+    the credentials a server started with PREFECT_SERVER_API_AUTH_STRING asks for, when it is set)."""
+    from prefect.settings import PREFECT_API_AUTH_STRING
+    request = urllib.request.Request(f"{api_url.rstrip('/')}/health")
+    auth = PREFECT_API_AUTH_STRING.value()
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
     try:
-        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status == 200 and json.loads(response.read() or b"null") is True
     except (urllib.error.URLError, OSError, ValueError):
         return False

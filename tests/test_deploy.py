@@ -1,6 +1,7 @@
 """deploy/: the nightly deployment is valid for Prefect and its cron schedule is what it says; the Dask
-cluster specs of the compose file start a real scheduler, CPU measure worker and GPU worker that
-advertise their resources and measure a batch."""
+cluster specs of the compose file start a real TLS scheduler, CPU measure worker and GPU worker that
+advertise their resources and measure a batch, and refuse a client without the cluster's certificate;
+nothing the compose file publishes listens beyond 127.0.0.1 or without credentials."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,7 @@ import os
 import shlex
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -57,7 +59,8 @@ def test_compose_wires_the_pool_the_cluster_and_the_records():
     services = compose["services"]
     worker = services["prefect-worker"]
     assert "--pool tensortune" in worker["command"]
-    assert worker["environment"]["TENSORTUNE_CLUSTER"] == "tcp://dask-scheduler:8786"
+    assert worker["environment"]["TENSORTUNE_CLUSTER"] == "tls://dask-scheduler:8786"
+    assert worker["environment"]["TENSORTUNE_TLS_DIR"] == "/certs"
     assert any(v.endswith(":/app/tuning-records") for v in worker["volumes"])
     assert "--resources measure-cpu=1" in services["cpu-worker"]["command"]
     assert "--resources GPU=1" in services["gpu-worker"]["command"]
@@ -66,15 +69,48 @@ def test_compose_wires_the_pool_the_cluster_and_the_records():
     assert "constraints.txt" in dockerfile and "libgomp1" in dockerfile
 
 
+def test_compose_is_secure_by_default():
+    """Published ports bind the host's loopback only; Dask speaks TLS with certificates on every process;
+    the Prefect API asks for credentials (compose refuses to start without them)."""
+    services = load("compose.yaml")["services"]
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+    for name in ("dask-scheduler", "cpu-worker", "gpu-worker"):
+        command = services[name]["command"]
+        assert "tcp://" not in command and all(f in command for f in ("--tls-ca-file", "--tls-cert", "--tls-key"))
+        assert "./certs:/certs:ro" in services[name]["volumes"]
+    assert "--protocol tls" in services["dask-scheduler"]["command"]
+    server = services["prefect-server"]["environment"]
+    assert server["PREFECT_SERVER_API_AUTH_STRING"].startswith("${PREFECT_API_AUTH_STRING:?")
+    assert services["prefect-worker"]["environment"]["PREFECT_API_AUTH_STRING"].startswith("${PREFECT_API_AUTH_STRING")
+    assert "deploy/certs/" in (ROOT / ".gitignore").read_text().split()      # private keys never committed
+
+
+def _tls_without_certificate_refused(port: int, ca_file: Path) -> bool:
+    """Complete a TLS handshake with the scheduler without a client certificate, then send: True when the
+    scheduler refuses (TLS 1.3 sends its 'certificate required' alert at the first read)."""
+    context = ssl.create_default_context(cafile=str(ca_file))
+    context.check_hostname = False
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        try:
+            with context.wrap_socket(raw, server_hostname="dask-scheduler") as tls:
+                tls.sendall(b"\0" * 16)
+                return tls.recv(1) == b""
+        except (ssl.SSLError, ConnectionError):
+            return True
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _dask_args(command: str, scheduler: str, port: int) -> list[str]:
-    """A compose `dask ...` command run here: the scheduler's address and ports made local."""
-    args = shlex.split(command.replace("tcp://dask-scheduler:8786", scheduler))
+def _dask_args(command: str, scheduler: str, port: int, certs: Path) -> list[str]:
+    """A compose `dask ...` command run here: the scheduler's address and ports made local, the
+    certificates' mount (/certs) this test's folder."""
+    args = shlex.split(command.replace("tls://dask-scheduler:8786", scheduler).replace("/certs/", f"{certs}/"))
     assert args[0] == "dask"
     args = [a.replace("8786", str(port)).replace("0.0.0.0", "127.0.0.1") for a in args]
     if "--dashboard-address" in args:
@@ -85,28 +121,42 @@ def _dask_args(command: str, scheduler: str, port: int) -> list[str]:
 
 def test_the_compose_cluster_specs_start_a_real_cluster_that_measures(tmp_path):
     from distributed import Client
+    from distributed.security import Security
 
     from tensortune.codegen.target import make_task
     from tensortune.codegen.timing import TimingConfig
-    from tensortune.flows.dask_cluster import workers_with
+    from tensortune.flows.cluster_security import TLS_DIR_ENV, make_certificates
+    from tensortune.flows.dask_cluster import connect, workers_with
     from tensortune.flows.dask_measure import DaskMeasurer
     from tensortune.schedule.state import State
     from tensortune.tasks.workload_registry import make_dag
     services = load("compose.yaml")["services"]
     port = _free_port()
-    scheduler = f"tcp://127.0.0.1:{port}"
+    scheduler = f"tls://127.0.0.1:{port}"
+    certs = make_certificates(tmp_path / "certs", ["dask-scheduler"])       # what deploy/README says to run
+    strangers = make_certificates(tmp_path / "other-ca", ["dask-scheduler"])
     procs = []
     try:
         for name in ("dask-scheduler", "cpu-worker", "gpu-worker"):
-            args = _dask_args(services[name]["command"], scheduler, port)
+            args = _dask_args(services[name]["command"], scheduler, port, certs.folder)
             if name != "dask-scheduler":
                 args += ["--no-dashboard"]
             procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           start_new_session=True))
             if name == "dask-scheduler":
                 time.sleep(1.0)
-        with Client(scheduler, timeout=60, set_as_default=False) as client:
+        os.environ[TLS_DIR_ENV] = str(certs.folder)
+        with connect(scheduler, timeout=60) as client:                    # the flow's way in
             client.wait_for_workers(2, timeout=90)
+            # refused by the scheduler: a client that trusts it but shows another CA's certificate, one
+            # that shows none (TLS straight from Python's ssl), and plain TCP
+            impostor = Security(tls_ca_file=str(certs.ca_file), tls_client_cert=str(strangers.cert),
+                                tls_client_key=str(strangers.key), require_encryption=True)
+            with pytest.raises((OSError, TimeoutError)):
+                Client(scheduler, timeout=5, set_as_default=False, security=impostor)
+            assert _tls_without_certificate_refused(port, certs.ca_file)
+            with pytest.raises((OSError, TimeoutError)):
+                Client(f"tcp://127.0.0.1:{port}", timeout=5, set_as_default=False)
             names = {info["name"]: addr for addr, info in client.scheduler_info(n_workers=-1)["workers"].items()}
             assert workers_with(client, "measure-cpu") == [names["cpu-0"]]
             assert workers_with(client, "GPU") == [names["gpu-0"]]
@@ -115,6 +165,7 @@ def test_the_compose_cluster_specs_start_a_real_cluster_that_measures(tmp_path):
                 task, [State(task.dag).steps_json(), State(task.dag).split("C", 1, [16]).steps_json()])
             assert all(r.ok for r in results), [r.error_msg for r in results]
     finally:
+        os.environ.pop(TLS_DIR_ENV, None)
         for p in reversed(procs):
             try:
                 os.killpg(p.pid, signal.SIGTERM)
