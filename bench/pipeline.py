@@ -45,7 +45,7 @@ def run_direct(workload: str, args: list, trials: int, params, seed: int, record
         task = make_task(make_dag(workload, *args))
         with ProgramMeasurer() as measurer:
             res = tune_task(task, trials, measurer=measurer, params=params, records=RecordStore(records), seed=seed,
-                            seed_default=True)
+                            measure_default=True)
     wall = watch.seconds
     work = sum(r.search_s + r.measure_s + r.train_s for r in res.rounds)
     return {"mode": "direct (library)", "trials": res.trials, "rounds": len(res.rounds), "wall_s": wall,

@@ -69,7 +69,8 @@ class RoundTiming:
 
 class SketchPolicy:
     def __init__(self, task: SearchTask, cost_model: CostModel | None = None, params: SearchParams | None = None,
-                 seed: int = 0, rules: list[SketchRule] | None = None, seeds: list[State] | None = None):
+                 seed: int = 0, rules: list[SketchRule] | None = None,
+                 initial_programs: list[State] | None = None):
         self.task = task
         self.model = cost_model or RandomModel(seed)
         self.params = params or SearchParams()
@@ -84,7 +85,7 @@ class SketchPolicy:
         self.best_cost = math.inf                              # ... and its seconds per run, as measured
         self.timing = RoundTiming()
         # programs to measure first (e.g. a runtime's default schedule), so tuning never ends worse
-        self.seeds = [Candidate.of(s) for s in seeds or []]
+        self.initial_programs = [Candidate.of(s) for s in initial_programs or []]
         self._scores: dict[StepsKey, float] = {}
         self._score_version: tuple | None = None
 
@@ -123,7 +124,7 @@ class SketchPolicy:
     def predict(self, cands: list[Candidate]) -> np.ndarray:
         """Predicted scores; a program scored earlier under the same model is not featurised again."""
         t0 = time.perf_counter()
-        version = (id(self.model), getattr(self.model, "version", 0), self.model.is_random)
+        version = (id(self.model), self.model.version, self.model.is_random)
         if self._score_version != version:
             self._scores, self._score_version = {}, version
         todo = list({c.key: c for c in cands if c.key not in self._scores}.values())
@@ -211,10 +212,10 @@ class SketchPolicy:
         randoms = [c for c in init if c.key not in self.measured]
         self.rng.shuffle(randoms)
         picked: dict[StepsKey, Candidate] = {}
-        for c in self.seeds:
+        for c in self.initial_programs:
             if c.key not in self.measured and len(picked) < n:
                 picked.setdefault(c.key, c)
-        self.seeds = []
+        self.initial_programs = []
         for c in best:
             if len(picked) >= n - n_random:
                 break
