@@ -11,7 +11,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,33 +28,11 @@ from tensortune.search.mutation import (
     mutate_parallel,
     mutate_tile_size,
 )
+from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import Sketch, SketchContext, SketchRule, generate_sketches
 from tensortune.tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")
-
-
-@dataclass
-class SearchParams:
-    """TVM's defaults, plus the crossover rate (TVM never shipped crossover)."""
-    population: int = 2048
-    num_iters: int = 4
-    mutation_prob: float = 0.85
-    crossover_prob: float = 0.05
-    eps_greedy: float = 0.05
-    num_measures_per_round: int = 64
-    sample_init_population: int = 2048
-    sample_init_use_measured_ratio: float = 0.2
-    max_innermost_split_factor: int = 64
-    max_vectorize_size: int = 16
-    disable_change_compute_location: bool = False
-    cpu_multi_level_tiling_structure: str = "SSRSRS"
-    gpu_multi_level_tiling_structure: str = "SSSRRSRS"
-    mutation_weights: dict = field(default_factory=lambda: {
-        "tile_size": 0.90, "auto_unroll": 0.04, "compute_location": 0.05, "parallel": 0.01})
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -75,7 +53,7 @@ class SketchPolicy:
         self.model = cost_model or RandomModel(seed)
         self.params = params or SearchParams()
         self.rng = random.Random(seed)
-        self.ctx = SketchContext(task, self.params.as_dict())
+        self.ctx = SketchContext(task, self.params)
         self.sketches: list[Sketch] = generate_sketches(self.ctx, rules)
         if not self.sketches:
             raise ValueError(f"no sketch could be generated for {task}")
@@ -113,7 +91,7 @@ class SketchPolicy:
         return list(out.values())
 
     def _sample_fn(self):
-        p = self.params.as_dict()
+        p = self.params
         if self.is_gpu:
             from tensortune.search.gpu_annotation import sample_gpu_state
             return lambda sk: sample_gpu_state(sk, self.rng, self.task, p)
