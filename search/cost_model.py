@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from tensortune.schedule.program import Program
-from tensortune.search.feature import N_FEATURES
+from tensortune.search.feature_layout import N_FEATURES
 from tensortune.search.feature_pool import Featurizer
 from tensortune.tasks.search_task import SearchTask
 

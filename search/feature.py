@@ -32,15 +32,25 @@ from tensortune.schedule.loop_structure import loop_structure
 from tensortune.schedule.stage import Split
 from tensortune.schedule.state import State
 from tensortune.schedule.steps import FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, SplitStep
+from tensortune.search.feature_layout import (
+    BUF,
+    BUFFER_FIELDS,
+    COLUMN,
+    CURVE_N,
+    MAX_N_BUFS,
+    N_FEATURES,
+    OFFSET,
+    OP_FIELDS,
+    onehot_mask,
+)
 from tensortune.search.symbolic import FreeVars, IntervalCompiler, Linear, compile_exprs, linear_form
 from tensortune.tasks import te
 from tensortune.tasks.search_task import SearchTask
 from tensortune.tasks.te import DTYPE_BYTES, Expr, Var
 
-N_FEATURES = 164
-MAX_N_BUFS = 5
-CURVE_N = 10
 _GPU_AXES = ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y", "threadIdx.z")
+_ANNOTATION_GROUPS = (("vectorize", "vec"), ("unroll", "unroll"), ("parallel", "parallel"))   # loop kind, group
+_ONEHOT = np.array(onehot_mask())
 
 
 def _structural_split(state: State, i: int) -> bool:
@@ -78,30 +88,18 @@ def state_numbers(state: State, slots: list[tuple[int, int]]) -> list[int]:
 
 # ------------------------------------------------------------------------------------ op counts
 
-@dataclass
-class _OpCounts:
-    float_addsub: int = 0
-    float_mul: int = 0
-    float_divmod: int = 0
-    float_cmp: int = 0
-    float_math: int = 0
-    int_addsub: int = 0
-    int_mul: int = 0
-    int_divmod: int = 0
-    int_cmp: int = 0
-    int_math: int = 0
-    bool_op: int = 0
-    select_op: int = 0
+class _OpCounts(dict):
+    """Operation counts of a statement, keyed by the op-count feature names (missing ones are 0)."""
+
+    def __missing__(self, key: str) -> int:
+        return 0
 
     def vector(self) -> list[int]:
-        # float_mad, addsub, mul, divmod, cmp, math_func, other_func, then the int ones, bool, select
-        return [0, self.float_addsub, self.float_mul, self.float_divmod, self.float_cmp, self.float_math, 0,
-                0, self.int_addsub, self.int_mul, self.int_divmod, self.int_cmp, self.int_math, 0,
-                self.bool_op, self.select_op]
+        return [self[f] for f in OP_FIELDS]
 
     @property
     def float_ops(self) -> int:
-        return self.float_addsub + self.float_mul + self.float_divmod + self.float_cmp + self.float_math
+        return sum(self[f] for f in ("float_addsub", "float_mul", "float_divmod", "float_cmp", "float_mathfunc"))
 
 
 def _count_ops(e: Expr) -> _OpCounts:
@@ -109,21 +107,21 @@ def _count_ops(e: Expr) -> _OpCounts:
     for n in te.walk(e):
         if isinstance(n, (te.BinOp, te.Cmp)):
             if n.op in ("and", "or"):
-                c.bool_op += 1
+                c["bool_op"] += 1
                 continue
             f = te.is_float(n.a.dtype)
             kind = {"add": "addsub", "sub": "addsub", "mul": "mul", "div": "divmod", "floordiv": "divmod",
                     "floormod": "divmod"}.get(n.op, "cmp")
-            setattr(c, f"{'float' if f else 'int'}_{kind}", getattr(c, f"{'float' if f else 'int'}_{kind}") + 1)
+            c[f"{'float' if f else 'int'}_{kind}"] += 1
         elif isinstance(n, te.Not):
-            c.bool_op += 1
+            c["bool_op"] += 1
         elif isinstance(n, te.Select):
-            c.select_op += 1
+            c["select_op"] += 1
         elif isinstance(n, te.Call):
             if te.is_float(n.dtype):
-                c.float_math += 1
+                c["float_mathfunc"] += 1
             else:
-                c.int_math += 1
+                c["int_mathfunc"] += 1
     return c
 
 
@@ -304,8 +302,8 @@ class FeatureTemplate:
                                         DTYPE_BYTES[dtype]))
             ops = _count_ops(src)
             if is_update:
-                ops.float_addsub += 1 if te.is_float(st.op.dtype) and body.combiner == "sum" else 0
-                ops.float_cmp += 1 if te.is_float(st.op.dtype) and body.combiner != "sum" else 0
+                ops["float_addsub"] += 1 if te.is_float(st.op.dtype) and body.combiner == "sum" else 0
+                ops["float_cmp"] += 1 if te.is_float(st.op.dtype) and body.combiner != "sum" else 0
             self.stores.append(_Store(name, loops, enclosing[name], accesses, ops, name not in outputs))
         # readers of each attached stage, for region inference: (reader store, access)
         self.readers: dict[str, list] = {n: [] for n in self.region_syms}
@@ -491,22 +489,23 @@ class FeatureTemplate:
         out = np.zeros((N_FEATURES, m))
         E = ext[plan["loop_rows"]]                                  # [n, m]
         outer = E.prod(axis=0) if n else np.ones(m)
-        out[0:16] = np.asarray(s.ops.vector(), dtype=np.float64)[:, None] * outer
-        row = 16
-        for kind in ("vectorize", "unroll", "parallel"):
+        ops_at = OFFSET["ops"]
+        out[ops_at:ops_at + len(OP_FIELDS)] = np.asarray(s.ops.vector(), dtype=np.float64)[:, None] * outer
+        for kind, group in _ANNOTATION_GROUPS:
+            row, col = OFFSET[group], COLUMN[group]
             idx = plan["kinds"][kind]
             if idx:
-                out[row] = len(idx)
-                out[row + 1] = E[idx].prod(axis=0)
-                out[row + 2] = E[idx[-1]]
-                out[row + 10] = 1.0                       # kPosMixed
+                out[row + col["num"]] = len(idx)
+                out[row + col["prod"]] = E[idx].prod(axis=0)
+                out[row + col["len"]] = E[idx[-1]]
+                out[row + col["type.kPosMixed"]] = 1.0
             else:
-                out[row + 3] = 1.0                        # kPosNone
-            row += 11
-        out[row] = float(self.is_gpu)
-        for j, a in enumerate(_GPU_AXES):
-            out[row + 1 + j] = E[plan["gpu"][a]] if a in plan["gpu"] else 1.0
-        out[row + 7] = E[plan["vthread"]].prod(axis=0) if plan["vthread"] else 1.0
+                out[row + col["type.kPosNone"]] = 1.0
+        row, col = OFFSET["gpu"], COLUMN["gpu"]
+        out[row + col["is_gpu"]] = float(self.is_gpu)
+        for a in _GPU_AXES:
+            out[row + col[a.replace(".", "_") + "_len"]] = E[plan["gpu"][a]] if a in plan["gpu"] else 1.0
+        out[row + col["vthread_len"]] = E[plan["vthread"]].prod(axis=0) if plan["vthread"] else 1.0
         # ---- buffer accesses: touched elements at every level (loops i.. vary), i = 0..n
         touched, region0, shapes = [], [], []
         for acc, rows, (dim_of, loop_of, coefs, atom_dims) in zip(s.accesses, plan["shape_rows"], plan["spans"]):
@@ -546,41 +545,45 @@ class FeatureTemplate:
                 n_cont = np.where(hit, e * region0[a][d], n_cont)
                 done |= hit
             unique_lines = np.maximum(unique / np.minimum(n_cont, self.cache_line), 1.0) if n else np.ones(m)
-            f = np.zeros((18, m))
-            f[min(acc.acc_type, 2)] = 1.0
-            f[3], f[4], f[5], f[6] = bytes_, unique, lines, unique_lines
+            f = np.zeros((len(BUFFER_FIELDS), m))
+            f[BUF[("acc_type.kRead", "acc_type.kWrite", "acc_type.kReadWrite")[min(acc.acc_type, 2)]]] = 1.0
+            sizes = {"bytes": bytes_, "unique_bytes": unique, "lines": lines, "unique_lines": unique_lines}
+            for name, x in sizes.items():
+                f[BUF[name]] = x
             if reuse_at is None:
-                f[9] = 1.0                                              # kNoReuse
+                f[BUF["reuse_type.kNoReuse"]] = 1.0
             else:
                 r = reuse_at
-                f[7] = 1.0                                              # kLoopMultipleRead
-                f[10] = E[r + 1:].prod(axis=0) if r + 1 < n else 1.0
-                f[11] = mem[r + 1] if r + 1 < n else eb.sum()
-                f[12] = E[r]
-            ct = f[12]
+                f[BUF["reuse_type.kLoopMultipleRead"]] = 1.0
+                f[BUF["reuse_dis_iter"]] = E[r + 1:].prod(axis=0) if r + 1 < n else 1.0
+                f[BUF["reuse_dis_bytes"]] = mem[r + 1] if r + 1 < n else eb.sum()
+                f[BUF["reuse_ct"]] = E[r]
+            ct = f[BUF["reuse_ct"]]
             big = ct > 0.5
             safe = np.where(big, ct, 1.0)
-            for j, x in enumerate((bytes_, unique, lines, unique_lines)):
-                f[13 + j] = np.where(big, x / safe, x * 2)
-            f[17] = stride if found == n - 1 else 0.0
+            for name, x in sizes.items():
+                f[BUF[f"{name}_d_reuse_ct"]] = np.where(big, x / safe, x * 2)
+            f[BUF["stride"]] = stride if found == n - 1 else 0.0
             buf_feats.append(f)
             keys.append((lines, bytes_))
-        out[57:57 + 18 * MAX_N_BUFS] = self._top_buffers(buf_feats, keys, m)
-        base = 57 + 18 * MAX_N_BUFS
+        row = OFFSET["buffers"]
+        out[row:row + len(BUFFER_FIELDS) * MAX_N_BUFS] = self._top_buffers(buf_feats, keys, m)
         cur = s.ops.float_ops
         if cur > 0 and n:
             ops = cur * np.cumprod(E[::-1], axis=0)                     # innermost first
-            out[base:base + CURVE_N] = self._curve(ops, mem[n - 1::-1][:n], cur, m)
-        base += CURVE_N
+            out[OFFSET["curve"]:OFFSET["curve"] + CURVE_N] = self._curve(ops, mem[n - 1::-1][:n], cur, m)
+        row, col = OFFSET["alloc"], COLUMN["alloc"]
         if s.alloc:
             acc0 = s.accesses[0]
             elems = all_shapes[plan["alloc_rows"]].prod(axis=0)
             alloc_outer = E[:s.n_enclosing].prod(axis=0) if s.n_enclosing else np.ones(m)
-            out[base], out[base + 1], out[base + 2], out[base + 3] = (elems * acc0.ele_bytes, elems * alloc_outer,
-                                                                     alloc_outer, outer / alloc_outer)
+            out[row + col["alloc_size"]] = elems * acc0.ele_bytes
+            out[row + col["alloc_prod"]] = elems * alloc_outer
+            out[row + col["alloc_outer_prod"]] = alloc_outer
+            out[row + col["alloc_inner_prod"]] = outer / alloc_outer
         u = plan["unroll"]
-        out[base + 4], out[base + 5] = outer, n
-        out[base + 6] = (env[u.name] if isinstance(u, Var) else u) if u is not None else 0.0
+        out[row + col["outer_prod"]], out[row + col["num_loops"]] = outer, n
+        out[row + col["auto_unroll_max_step"]] = (env[u.name] if isinstance(u, Var) else u) if u is not None else 0.0
         return out
 
     def _shape_value(self, buf: str, d: int, env: dict):
@@ -603,15 +606,15 @@ class FeatureTemplate:
 
     @staticmethod
     def _top_buffers(buf_feats: list, keys: list, m: int) -> np.ndarray:
-        """The MAX_N_BUFS accesses with most (lines, bytes), zero-padded: [18*5, m]."""
+        """The MAX_N_BUFS accesses with most (lines, bytes), zero-padded: [fields * MAX_N_BUFS, m]."""
         feats = np.stack(buf_feats)                       # [n_buf, 18, m]
         lines = np.stack([k[0] for k in keys])            # [n_buf, m]
         bytes_ = np.stack([k[1] for k in keys])
         order = np.lexsort((-bytes_, -lines), axis=0)[:MAX_N_BUFS]   # [<=5, m]
         picked = np.take_along_axis(feats, order[:, None, :], axis=0)
-        out = np.zeros((MAX_N_BUFS, 18, m))
+        out = np.zeros((MAX_N_BUFS, len(BUFFER_FIELDS), m))
         out[:picked.shape[0]] = picked
-        return out.reshape(MAX_N_BUFS * 18, m)
+        return out.reshape(MAX_N_BUFS * len(BUFFER_FIELDS), m)
 
     @staticmethod
     def _curve(ops: np.ndarray, mem: np.ndarray, cur_ops: float, m: int) -> np.ndarray:
@@ -630,25 +633,6 @@ class FeatureTemplate:
         safe = np.where(denom != 0, denom, 1)
         slope = np.where(denom != 0, (at(ratio, pt) - base) / safe, 0)
         return np.where(pt == 0, ratio[0], base + slope * (x - ops_prev))
-
-
-def _onehot_mask() -> np.ndarray:
-    """Columns that are one-hot flags (kept as 0/1); every other feature is log2(1 + |x|) * sign(x)."""
-    mask = np.zeros(N_FEATURES, dtype=bool)
-    pos = 16
-    for _ in range(3):
-        pos += 3
-        mask[pos:pos + 8] = True
-        pos += 8
-    mask[pos] = True                       # is_gpu
-    base = 57
-    for b in range(MAX_N_BUFS):
-        for j in (0, 1, 2, 7, 8, 9):
-            mask[base + b * 18 + j] = True
-    return mask
-
-
-_ONEHOT = _onehot_mask()
 
 
 class FeatureExtractor:
@@ -701,27 +685,3 @@ class FeatureExtractor:
             for j, i in enumerate(idx):
                 out[i] = feats[j]
         return out  # type: ignore[return-value]
-
-
-def feature_names() -> list[str]:
-    names = ["float_mad", "float_addsub", "float_mul", "float_divmod", "float_cmp", "float_mathfunc",
-             "float_otherfunc", "int_mad", "int_addsub", "int_mul", "int_divmod", "int_cmp", "int_mathfunc",
-             "int_otherfunc", "bool_op", "select_op"]
-    pos = ["kPosNone", "kPosInnerSpatial", "kPosMiddleSpatial", "kPosOuterSpatial", "kPosInnerReduce",
-           "kPosMiddleReduce", "kPosOuterReduce", "kPosMixed"]
-    for kind in ("vec", "unroll", "parallel"):
-        names += [f"{kind}_num", f"{kind}_prod", f"{kind}_len"] + [f"{kind}_type.{p}" for p in pos]
-    names += ["is_gpu", "blockIdx_x_len", "blockIdx_y_len", "blockIdx_z_len", "threadIdx_x_len", "threadIdx_y_len",
-              "threadIdx_z_len", "vthread_len"]
-    for b in range(MAX_N_BUFS):
-        names += [f"B{b}.{x}" for x in ("acc_type.kRead", "acc_type.kWrite", "acc_type.kReadWrite", "bytes",
-                                        "unique_bytes", "lines", "unique_lines", "reuse_type.kLoopMultipleRead",
-                                        "reuse_type.kSerialMultipleReadWrite", "reuse_type.kNoReuse",
-                                        "reuse_dis_iter", "reuse_dis_bytes", "reuse_ct", "bytes_d_reuse_ct",
-                                        "unique_bytes_d_reuse_ct", "lines_d_reuse_ct", "unique_lines_d_reuse_ct",
-                                        "stride")]
-    names += [f"arith_intensity_curve_{i}" for i in range(CURVE_N)]
-    names += ["alloc_size", "alloc_prod", "alloc_outer_prod", "alloc_inner_prod", "outer_prod", "num_loops",
-              "auto_unroll_max_step"]
-    assert len(names) == N_FEATURES
-    return names

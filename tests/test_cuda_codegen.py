@@ -179,7 +179,8 @@ def test_gpu_features_match_the_launch_configuration():
     import math
 
     from tensortune.codegen.cuda_backend import generate
-    from tensortune.search.feature import FeatureExtractor, feature_names
+    from tensortune.search.feature import FeatureExtractor
+    from tensortune.search.feature_layout import feature_names
     from tensortune.search.sketch_policy import SketchPolicy
     names = feature_names()
     task = make_task(make_dag("matmul", 256, 256, 256), TARGET)
