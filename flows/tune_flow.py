@@ -37,7 +37,8 @@ from tensortune.tasks.extract import NetworkTasks
 from tensortune.tasks.models import load_graph
 from tensortune.tasks.search_task import SearchTask
 
-_STEP = dict(cache_policy=NONE, persist_result=False)    # task runs pass live objects: never hash or store them
+# task runs pass live objects: never hash or store them
+_STEP: dict[str, Any] = dict(cache_policy=NONE, persist_result=False)
 
 
 class Session:
@@ -270,7 +271,8 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
     artifacts.update_progress(progress, trials, trials, f"{shown} on {target}: done, {done} trials in "
                               f"{s.rounds} rounds" + (f" (stopped early: {stopped})" if stopped else ""))
     weights = [t.weight for t in tasks]
-    summary = {"network": network, "target": target, "flow_run_id": flow_run_id, "records": store.location.url,
+    summary: dict[str, Any] = {
+               "network": network, "target": target, "flow_run_id": flow_run_id, "records": store.location.url,
                "trials": done, "rounds": s.rounds, "model_version": s.model.version,
                "estimate_default_s": artifacts.estimate(weights, s.default_latency),
                "estimate_before_s": artifacts.estimate(weights, before), "estimate_after_s": s.estimate(),

@@ -12,7 +12,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -99,7 +99,7 @@ class XGBModel(CostModel):
                  max_rounds: int = 400, early_stopping: int = 50, features: Featurizer | None = None):
         self.num_warmup_sample, self.seed, self.holdout, self.k = num_warmup_sample, seed, holdout, k
         self.max_rounds, self.early_stopping = max_rounds, early_stopping
-        self.booster = None
+        self.booster: Any = None             # an xgboost.Booster once trained
         self.features = features or Featurizer()    # pass one in to share templates across versions
         self.data: dict[str, list[tuple[np.ndarray, float]]] = {}   # workload key -> [(features, throughput)]
         self.unseen: dict[str, int] = {}    # workload key -> rows added since the booster was trained
@@ -175,7 +175,8 @@ class XGBModel(CostModel):
         if self.n_programs < 8:
             return None
         data = self._normalised()
-        acc, rec = [], []
+        acc: list[float] = []
+        rec: list[float] = []
         fresh = {key: rows[len(rows) - self.unseen.get(key, 0):] for key, rows in data.items()}
         if self.booster is not None and any(len(rows) >= 2 for rows in fresh.values()):
             self._rank(self.booster, fresh, acc, rec)

@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from tensortune.schedule.loop_structure import loop_structure
+from tensortune.schedule.program import Program
 from tensortune.schedule.stage import Split
 from tensortune.schedule.state import State
 from tensortune.schedule.steps import FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, SplitStep
@@ -654,7 +655,7 @@ class FeatureExtractor:
         return tpl
 
     @staticmethod
-    def groups(states: list) -> dict[str, list[int]]:
+    def groups(states: Sequence[Program]) -> dict[str, list[int]]:
         """Positions of `states` by structure key (kept on Candidates for the next call)."""
         groups: dict[str, list[int]] = {}
         for i, s in enumerate(states):
@@ -667,7 +668,7 @@ class FeatureExtractor:
         return groups
 
     @staticmethod
-    def numbers(states: list, idx: list[int]) -> np.ndarray:
+    def numbers(states: Sequence[Program], idx: list[int]) -> np.ndarray:
         """The open numbers of states[idx] (one structure): [len(idx), slots]."""
         slots = _slots(states[idx[0]])
         return np.array([state_numbers(states[i], slots) for i in idx], dtype=np.int64).reshape(len(idx), len(slots))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -119,7 +119,7 @@ class IntervalCompiler:
         """f(e, X): the `lines` so far, then the tuple of `outputs` (sources of expressions over them)."""
         src = "def f(e, X):\n" + "".join(f"    {line}\n" for line in self.lines)
         src += f"    return ({', '.join(outputs)},)\n"
-        scope = {"np": np, "_min4": _min4, "_max4": _max4, "_mod_lo": _mod_lo, "_mod_hi": _mod_hi}
+        scope: dict[str, Any] = {"np": np, "_min4": _min4, "_max4": _max4, "_mod_lo": _mod_lo, "_mod_hi": _mod_hi}
         exec(src, scope)  # noqa: S102 - source generated from our own expression trees
         return scope["f"]
 
@@ -186,7 +186,8 @@ class IntervalCompiler:
         return f"_min4({c})", f"_max4({c})", -math.inf
 
 
-_FOLD = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+_FOLD: dict[str, Callable[[Any, Any], Any]] = {
+         "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
          "floordiv": lambda a, b: a // max(b, 1), "min": min, "max": max}
 _NAME = re.compile(r"^(e|X)\['\w+'\]$")
 

@@ -117,6 +117,7 @@ class TaskScheduler:
     # ------------------------------------------------------------------ reporting
 
     def score(self, costs: Sequence[float] | None = None) -> float:
+        assert self.objective is not None         # __post_init__ sets the default
         return self.objective(list(self.best_costs if costs is None else costs))
 
     def record(self, i: int, costs: Sequence[float], exhausted: bool = False) -> None:
@@ -207,7 +208,7 @@ class TaskScheduler:
             i = self._rng.choice(alive)
             self.decisions.append((i, "tie"))
             return i
-        i = min(grads, key=grads.get)
+        i = min(grads, key=lambda k: grads[k])
         self.decisions.append((i, f"gradient {lo:.3g}"))
         return i
 
