@@ -18,6 +18,7 @@ batch of candidates with both measurers, alternating (`--batches`), and reports 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import socket
@@ -45,7 +46,7 @@ def run_direct(workload: str, args: list, trials: int, params, seed: int, record
         task = make_task(make_dag(workload, *args))
         with ProgramMeasurer() as measurer:
             res = tune_task(task, trials, measurer=measurer, params=params, records=RecordStore(records), seed=seed,
-                            seed_default=True)
+                            measure_default=True)
     wall = watch.seconds
     work = sum(r.search_s + r.measure_s + r.train_s for r in res.rounds)
     return {"mode": "direct (library)", "trials": res.trials, "rounds": len(res.rounds), "wall_s": wall,
@@ -56,7 +57,7 @@ def run_direct(workload: str, args: list, trials: int, params, seed: int, record
 
 def run_flow(workload: str, args: list, trials: int, params, seed: int, records: str) -> dict:
     from tensortune.flows.tune_flow import tune_op_flow
-    search = {k: v for k, v in params.as_dict().items() if k != "num_measures_per_round"}
+    search = {k: v for k, v in dataclasses.asdict(params).items() if k != "num_measures_per_round"}
     with Stopwatch() as watch:
         state = tune_op_flow(workload, list(args), trials=trials, records=records,
                              per_round=params.num_measures_per_round, retrain_every=1, seed=seed, search=search,

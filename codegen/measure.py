@@ -11,7 +11,7 @@ import socket
 import time
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -141,6 +141,15 @@ class LocalRunner:
 
     def close(self) -> None:
         self.pool.close()
+
+
+class Measurer(Protocol):
+    """What a tuning loop needs of a measurer: ProgramMeasurer here, flows.dask_measure's DaskMeasurer on
+    a cluster. `steps_list` holds each program's step JSON; one result per program, in order."""
+
+    def measure(self, task: SearchTask, steps_list: Sequence[str]) -> list[MeasureResult]: ...
+
+    def close(self) -> None: ...
 
 
 class ProgramMeasurer:

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tensortune.schedule.program import Program
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
@@ -38,10 +39,10 @@ class NewestModel(CostModel):
     def use(self, model: CostModel, version: str) -> None:
         self.model, self.version = model, version
 
-    def predict(self, task: SearchTask, states: list[State]) -> np.ndarray:
-        return self.model.predict(task, states)
+    def predict(self, task: SearchTask, programs: Sequence[Program]) -> np.ndarray:
+        return self.model.predict(task, programs)
 
-    def update(self, task: SearchTask, states: list[State], costs: list[float]) -> None:
+    def update(self, task: SearchTask, programs: Sequence[Program], costs: Sequence[float]) -> None:
         """Nothing: measurements go to the record store and reach the model at the next retrain."""
 
     @property

@@ -21,58 +21,66 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from tensortune.codegen.measure import MeasureResult
+from tensortune.codegen.measure import Measurer
 from tensortune.codegen.timing import TimingConfig
 from tensortune.flows import artifacts
 from tensortune.flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, CPU_RESOURCE, dask_client, local_resources
 from tensortune.flows.dask_measure import DaskMeasurer
 from tensortune.flows.retrain import NewestModel, Trainer, load_newest, retrain
 from tensortune.flows.tuned_network import GAP_WARNING, TunedNetworkTiming, measure_tuned_network_job
-from tensortune.flows.tuning import default_seeds, learn, propose, resume_policy
-from tensortune.search.candidate import Candidate
-from tensortune.search.sketch_policy import SearchParams, SketchPolicy
-from tensortune.search.task_scheduler import INF_COST, TaskScheduler, network_objective
+from tensortune.flows.tuning import NetworkTuner, Proposal
+from tensortune.search.sketch_policy import SearchParams
+from tensortune.search.task_scheduler import INF_COST, Objective, network_objective
 from tensortune.storage.models import ModelStore
 from tensortune.storage.records import DEFAULT_ROOT, RecordStore
 from tensortune.tasks.extract import NetworkTasks
 from tensortune.tasks.models import load_graph
 from tensortune.tasks.search_task import SearchTask
 
-_STEP = dict(cache_policy=NONE, persist_result=False)    # task runs pass live objects: never hash or store them
+# task runs pass live objects: never hash or store them
+_STEP: dict[str, Any] = dict(cache_policy=NONE, persist_result=False)
 
 
 class Session:
-    """One flow run's tuning state, kept in the flow process (task runs receive it by reference)."""
+    """One flow run's tuning state, kept in the flow process (task runs receive it by reference). Its
+    `tuner` holds the policies, the scheduler and the round body; the session adds what the flow
+    reports (the stored bests before the run, the runtime defaults' latencies, where the time went)."""
 
-    def __init__(self, tasks: list[SearchTask], network: str, records: RecordStore, measurer,
-                 params: SearchParams, strategy: str, seed: int, warmup: int, flow_run_id: str,
-                 scheduler_options: dict | None = None):
-        self.tasks, self.network, self.records, self.measurer = tasks, network, records, measurer
+    def __init__(self, tasks: list[SearchTask], network: str, records: RecordStore, measurer: Measurer,
+                 params: SearchParams, strategy: str, seed: int, warmup: int, flow_run_id: str, trials: int,
+                 objective: Objective | None = None, scheduler_options: dict[str, Any] | None = None):
+        self.tasks, self.network, self.records = tasks, network, records
         self.target = tasks[0].target
         self.models = ModelStore(records.location.url)
         self.model = NewestModel(seed)
-        self.params, self.flow_run_id = params, flow_run_id
-        seeds = [default_seeds(t) for t in tasks]
-        self.default_steps = [s[0].steps_json() if s else None for s in seeds]
-        self.policies = [SketchPolicy(t, self.model, params, seed=seed + i, seeds=s)
-                         for i, (t, s) in enumerate(zip(tasks, seeds))]
-        self.sched = TaskScheduler(tasks, strategy=strategy, seed=seed, **(scheduler_options or {}))
+        self.tuner = NetworkTuner(tasks, trials, measurer, model=self.model, params=params, records=records,
+                                  strategy=strategy, objective=objective, seed=seed, flow_run_id=flow_run_id,
+                                  network_name=network, scheduler_options=scheduler_options, resume=False)
+        self.policies, self.sched = self.tuner.policies, self.tuner.sched
         self.trainer = Trainer(tasks, self.target, warmup, seed, self.model.features)
         n = len(tasks)
-        self.trials_run, self.trials_before = [0] * n, [0] * n
         self.before = [math.inf] * n                 # best latency stored before this run
         self.default_latency = [math.nan] * n
-        self.rounds = 0
         # where the run's time went, inside the steps (the rest of the wall time is orchestration)
         self.seconds = {"search": 0.0, "measure": 0.0, "record+learn": 0.0, "retrain": 0.0}
+
+    @property
+    def rounds(self) -> int:
+        return self.tuner.rounds
+
+    @property
+    def done(self) -> int:
+        """Trials measured in this run."""
+        return self.tuner.result.trials
 
     def best_latency(self, i: int) -> float:
         c = self.sched.best_costs[i]
         return c if c < INF_COST else math.inf
 
     def rows(self) -> list[artifacts.TaskRow]:
-        return [artifacts.TaskRow(i, t.name, t.weight, t.flops, self.best_latency(i), self.trials_run[i],
-                                  self.trials_before[i] + self.trials_run[i], self.default_latency[i])
+        run, before = self.tuner.trials_run, self.tuner.history
+        return [artifacts.TaskRow(i, t.name, t.weight, t.flops, self.best_latency(i), run[i], before[i] + run[i],
+                                  self.default_latency[i])
                 for i, t in enumerate(self.tasks)]
 
     def estimate(self) -> float:
@@ -115,22 +123,19 @@ def build_and_time_network(client, net: NetworkTasks, network: str, target: str,
 
 @task(name="load-history", **_STEP)
 def load_history(s: Session) -> dict[str, int]:
-    """Resume: stored programs count as measured and seed each task's search and the scheduler."""
+    """Resume: stored programs count as measured, start each task's search and the scheduler."""
     log = get_run_logger()
-    total = 0
-    for i, p in enumerate(s.policies):
-        n = resume_policy(p, s.records)
-        s.trials_before[i] = n
-        total += n
+    history = s.tuner.resume()
+    for i, (p, n) in enumerate(zip(s.policies, history)):
         if n and p.best is not None:
             s.before[i] = p.best_cost
-            s.sched.restore(i, max(1, n // s.params.num_measures_per_round), p.best_cost)
-        if n and s.default_steps[i] is not None:
+        default = s.tuner.default_steps[i]
+        if n and default is not None:
             frame = s.records.records_of(p.task.workload_key, target=p.task.target)
-            hit = frame[(frame["steps"] == s.default_steps[i]) & (frame["error_code"] == 0)]
+            hit = frame[(frame["steps"] == default) & (frame["error_code"] == 0)]
             if not hit.empty:
                 s.default_latency[i] = float(hit["mean_latency"].iloc[0])
-    resumed = sum(1 for n in s.trials_before if n)
+    total, resumed = sum(history), sum(1 for n in history if n)
     log.info(f"history: {total} records of {resumed}/{len(s.tasks)} tasks in {s.records.location.url}")
     return {"records": total, "tasks_with_history": resumed}
 
@@ -156,43 +161,40 @@ def retrain_cost_model(s: Session, why: str) -> dict[str, Any]:
 
 
 @task(name="search-round", task_run_name="search-{label}", **_STEP)
-def search_round(s: Session, i: int, n: int, label: str) -> tuple[list[Candidate], list[float] | None]:
-    """Task i's policy proposes up to n programs never measured before (and the model's scores)."""
-    p = s.policies[i]
+def search_round(s: Session, i: int, label: str) -> Proposal:
+    """Task i's policy proposes a round's programs, none measured before (and the model's scores)."""
     t0 = time.perf_counter()
-    batch, scores = propose(p, n)
+    batch = s.tuner.propose(i)
     s.seconds["search"] += time.perf_counter() - t0
-    get_run_logger().info(f"{p.task.name} (task {i}): {len(batch)} programs proposed in "
+    get_run_logger().info(f"{s.tasks[i].name} (task {i}): {len(batch.candidates)} programs proposed in "
                           f"{time.perf_counter() - t0:.1f} s with cost model {s.model.version or 'random'}")
-    return batch, scores
+    return batch
 
 
 @task(name="measure-batch", task_run_name="measure-{label}", **_STEP)
-def measure_batch(s: Session, i: int, batch: list[Candidate], scores: list[float] | None,
-                  label: str) -> dict[str, Any]:
+def measure_batch(s: Session, i: int, batch: Proposal, label: str) -> dict[str, Any]:
     """Build and time the batch on the cluster, append the records, then let policy and scheduler learn."""
-    p = s.policies[i]
+    task_ = s.tasks[i]
+    round_ = s.rounds
     t0 = time.perf_counter()
-    results: list[MeasureResult] = s.measurer.measure(p.task, [c.steps_json for c in batch])
+    results = s.tuner.measure(batch)
     t1 = time.perf_counter()
-    learn(p, batch, results, scores, records=s.records, round_=s.rounds, flow_run_id=s.flow_run_id,
-          network=s.network, model_version=s.model.version)
-    s.sched.record(i, [r.mean for r in results])
+    s.tuner.learn(i, batch, results)
     s.seconds["measure"] += t1 - t0
     s.seconds["record+learn"] += time.perf_counter() - t1
-    s.trials_run[i] += len(batch)
-    for c, r in zip(batch, results):
-        if c.steps_json == s.default_steps[i] and r.ok:
+    for c, r in zip(batch.candidates, results):
+        if c.steps_json == s.tuner.default_steps[i] and r.ok:
             s.default_latency[i] = r.mean
+    n = len(batch.candidates)
     errors = sum(1 for r in results if not r.ok)
     best = s.best_latency(i)
-    stats = getattr(s.measurer, "stats", None)
+    stats = getattr(s.tuner.measurer, "stats", None)
     cost = f" (builds {stats.build_s:.1f} s, timings {stats.run_s:.1f} s)" if stats is not None else ""
     get_run_logger().info(
-        f"round {s.rounds}: {p.task.name} (task {i}) measured {len(batch)} ({errors} errors), best "
-        f"{p.task.flops / best / 1e9 if math.isfinite(best) else 0.0:.1f} GFLOP/s; network estimate "
+        f"round {round_}: {task_.name} (task {i}) measured {n} ({errors} errors), best "
+        f"{task_.flops / best / 1e9 if math.isfinite(best) else 0.0:.1f} GFLOP/s; network estimate "
         f"{_ms(s.estimate())}{cost}")
-    return {"task": i, "measured": len(batch), "errors": errors, "best_latency": best}
+    return {"task": i, "measured": n, "errors": errors, "best_latency": best}
 
 
 # ------------------------------------------------------------------ the loop
@@ -219,42 +221,36 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
     store = RecordStore(records)
     if objective is None:
         objective = "f2" if latency_target_ms is not None else "f1"
-    options: dict[str, Any] = {"early_stopping_task": early_stopping_task, "objective": network_objective(
-        objective, network, [t.weight for t in tasks],
-        latency_target_s=latency_target_ms / 1e3 if latency_target_ms is not None else None,
-        reference_s=reference_ms / 1e3 if reference_ms is not None else None)}
-    s = Session(tasks, network, store, measurer, params, strategy, seed, model_warmup, flow_run_id, options)
+    goal = network_objective(objective, network, [t.weight for t in tasks],
+                             latency_target_s=latency_target_ms / 1e3 if latency_target_ms is not None else None,
+                             reference_s=reference_ms / 1e3 if reference_ms is not None else None)
+    s = Session(tasks, network, store, measurer, params, strategy, seed, model_warmup, flow_run_id, trials,
+                objective=goal, scheduler_options={"early_stopping_task": early_stopping_task})
     load_history(s)
     retrain_cost_model(s, "start")
     before = list(s.before)
     target = s.target
     progress = artifacts.create_progress(network, target, trials)
     shown = artifacts.network_label(network)
-    per = max(1, min(per_round, trials // len(tasks)))
-    done = 0
 
     def one(i: int) -> None:
-        nonlocal done
-        n = min(per, trials - done)
         label = f"r{s.rounds}-t{i}-{tasks[i].name}"
-        batch, scores = search_round(s, i, n, label)
-        if not batch:
-            s.sched.record(i, [], exhausted=True)
+        batch = search_round(s, i, label)
+        if not batch.candidates:
+            s.tuner.learn(i, batch, [])               # the scheduler marks the task exhausted
             log.info(f"{tasks[i].name} (task {i}): search space exhausted")
             return
-        measure_batch(s, i, batch, scores, label)
-        done += len(batch)
-        s.rounds += 1
+        measure_batch(s, i, batch, label)
         if s.rounds % retrain_every == 0:
             retrain_cost_model(s, f"r{s.rounds}")
         est = s.estimate()
-        artifacts.update_progress(progress, done, trials,
-                                  f"{shown} on {target}: {done}/{trials} trials, {s.rounds} rounds, estimated "
+        artifacts.update_progress(progress, s.done, trials,
+                                  f"{shown} on {target}: {s.done}/{trials} trials, {s.rounds} rounds, estimated "
                                   + (f"{est * 1e3:.4f} ms" if math.isfinite(est) else "latency n/a yet"))
 
     stopped = ""
     try:
-        while done < trials:
+        while s.done < trials:
             warmed_up = not s.sched.warmup_order()
             if warmed_up and latency_target_ms is not None and s.estimate() * 1e3 <= latency_target_ms:
                 stopped = f"the estimate {_ms(s.estimate())} meets the target of {latency_target_ms} ms"
@@ -269,12 +265,14 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
         rows = s.rows()
         artifacts.publish_task_table(network, target, rows)
         artifacts.publish_estimate(network, target, rows, before, store.location.url, s.model.version)
+    done = s.done
     if stopped:
         log.info(f"{stopped}: stopping after {done} of {trials} trials")
     artifacts.update_progress(progress, trials, trials, f"{shown} on {target}: done, {done} trials in "
                               f"{s.rounds} rounds" + (f" (stopped early: {stopped})" if stopped else ""))
     weights = [t.weight for t in tasks]
-    summary = {"network": network, "target": target, "flow_run_id": flow_run_id, "records": store.location.url,
+    summary: dict[str, Any] = {
+               "network": network, "target": target, "flow_run_id": flow_run_id, "records": store.location.url,
                "trials": done, "rounds": s.rounds, "model_version": s.model.version,
                "estimate_default_s": artifacts.estimate(weights, s.default_latency),
                "estimate_before_s": artifacts.estimate(weights, before), "estimate_after_s": s.estimate(),

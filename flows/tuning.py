@@ -1,7 +1,7 @@
 """Tuning one task as a library call: the policy proposes, the measurer builds and times, records land.
 
 `tune_task` wires a SketchPolicy (search) to a ProgramMeasurer (codegen) and an optional RecordStore
-(storage). It resumes from the store: programs measured before are never measured again and seed the
+(storage). It resumes from the store: programs measured before are never measured again and start the
 search. `apply_best` rebuilds the fastest recorded program as a callable kernel.
 """
 from __future__ import annotations
@@ -11,14 +11,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tensortune.codegen.measure import MeasureResult, ProgramMeasurer
+from tensortune.codegen.measure import Measurer, MeasureResult, ProgramMeasurer
 from tensortune.codegen.target import make_task
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import CostModel, RandomModel, XGBModel
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
-from tensortune.search.task_scheduler import INF_COST, TaskScheduler
+from tensortune.search.task_scheduler import INF_COST, Objective, TaskScheduler
 from tensortune.storage.records import MeasureRecord, RecordStore
 from tensortune.tasks.extract import NetworkTasks, extract_tasks
 from tensortune.tasks.graph import Graph
@@ -106,9 +106,7 @@ def resume_policy(policy: SketchPolicy, records: RecordStore) -> int:
         cands.append(Candidate.of(state))
         costs.append(float(latency) if code == 0 else math.inf)
     policy.preload(cands, costs)
-    if isinstance(policy.model, XGBModel):
-        policy.model.add(policy.task, cands, costs)
-        policy.model.fit()
+    policy.model.update(policy.task, cands, costs)
     return len(cands)
 
 
@@ -121,20 +119,30 @@ def propose(policy: SketchPolicy, n: int) -> tuple[list[Candidate], list[float] 
 
 
 def learn(policy: SketchPolicy, batch: list[Candidate], results: list[MeasureResult], scores: list[float] | None,
-          *, records: RecordStore | None = None, round_: int = 0, flow_run_id: str = "", network: str = "",
-          model_version: str | None = None) -> None:
+          *, records: RecordStore | None = None, round_: int = 0, flow_run_id: str = "", network: str = "") -> None:
     """Store the measurements first (learning may fail; a record must not be lost), then update."""
     if not batch:
         return
     if records is not None:
-        version = model_version if model_version is not None else str(getattr(policy.model, "version", ""))
         records.append(to_records(policy.task, batch, results, round_=round_, flow_run_id=flow_run_id,
-                                  network=network, model_version=version, scores=scores))
+                                  network=network, model_version=policy.model.version, scores=scores))
     policy.update(batch, [r.mean for r in results])
 
 
-def run_round(policy: SketchPolicy, measurer, n: int, *, records: RecordStore | None = None, round_: int = 0,
-              flow_run_id: str = "", network: str = "") -> tuple[list[Candidate], list[MeasureResult], RoundLog]:
+def round_log(policy: SketchPolicy, round_: int, batch: list[Candidate], results: list[MeasureResult],
+              search_s: float, measure_s: float, train_s: float) -> RoundLog:
+    """The log line of one round of the policy's task, with its cost model's latest metrics."""
+    best = policy.best[0] if policy.best else 0.0
+    log = RoundLog(round_, len(batch), best, search_s, measure_s, train_s, sum(1 for r in results if not r.ok))
+    metrics = policy.model.metrics
+    if metrics is not None:
+        log.model_accuracy, log.model_recall = metrics.pairwise_accuracy, metrics.recall_at_k
+    return log
+
+
+def run_round(policy: SketchPolicy, measurer: Measurer, n: int, *, records: RecordStore | None = None,
+              round_: int = 0, flow_run_id: str = "",
+              network: str = "") -> tuple[list[Candidate], list[MeasureResult], RoundLog]:
     """One search round of one task: propose n programs, measure them, record, learn."""
     t0 = time.perf_counter()
     batch, scores = propose(policy, n)
@@ -143,16 +151,10 @@ def run_round(policy: SketchPolicy, measurer, n: int, *, records: RecordStore | 
     t2 = time.perf_counter()
     learn(policy, batch, results, scores, records=records, round_=round_, flow_run_id=flow_run_id,
           network=network)
-    t3 = time.perf_counter()
-    best = policy.best[0] if policy.best else 0.0
-    log = RoundLog(round_, len(batch), best, t1 - t0, t2 - t1, t3 - t2, sum(1 for r in results if not r.ok))
-    metrics = getattr(policy.model, "metrics", None)
-    if metrics is not None:
-        log.model_accuracy, log.model_recall = metrics.pairwise_accuracy, metrics.recall_at_k
-    return batch, results, log
+    return batch, results, round_log(policy, round_, batch, results, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
 
-def default_seeds(task: SearchTask) -> list[State]:
+def default_programs(task: SearchTask) -> list[State]:
     """The network runtime's default schedule, measured first so a tuned task is never worse."""
     if task.target_kind != "llvm":
         return []
@@ -163,16 +165,16 @@ def default_seeds(task: SearchTask) -> list[State]:
         return []
 
 
-def tune_task(task: SearchTask, trials: int, *, measurer: ProgramMeasurer | None = None,
+def tune_task(task: SearchTask, trials: int, *, measurer: Measurer | None = None,
               model: str | CostModel = "xgb", params: SearchParams | None = None,
               records: RecordStore | None = None, seed: int = 0, flow_run_id: str = "", network: str = "",
               progress: Callable[[RoundLog, TuneResult], None] | None = None,
-              seed_default: bool = False) -> TuneResult:
+              measure_default: bool = False) -> TuneResult:
     """Measure `trials` new programs for `task` and return the best (including earlier records).
-    seed_default: also measure the network runtime's default schedule (first round)."""
+    measure_default: also measure the network runtime's default schedule (first round)."""
     params = params or SearchParams()
     policy = SketchPolicy(task, make_model(model, seed), params, seed=seed,
-                          seeds=default_seeds(task) if seed_default else None)
+                          initial_programs=default_programs(task) if measure_default else None)
     if records is not None:
         resume_policy(policy, records)
     own = measurer is None
@@ -233,33 +235,95 @@ def network_tasks(network: str | Graph, target: str = "llvm", **options) -> tupl
     return net, [make_task(t.dag, target, t.name, t.weight) for t in net.tasks]
 
 
-class NetworkTuner:
-    """`tune_network` one round at a time: `step()` runs the next round the scheduler chooses, so a caller
-    can stop between rounds or let two schedulers take turns on one machine (the benchmark does, so that
-    the machine's drift hits both alike)."""
+@dataclass
+class Proposal:
+    """One round's programs for task `task`, as `NetworkTuner.propose` hands them out to be measured."""
+    task: int
+    candidates: list[Candidate]
+    scores: list[float] | None              # the cost model's, None while it ranks at random
 
-    def __init__(self, tasks: list[SearchTask], trials: int, measurer, *, model: str | CostModel = "xgb",
-                 params: SearchParams | None = None, records: RecordStore | None = None,
-                 strategy: str = "gradient", objective=None, seed: int = 0, flow_run_id: str = "",
-                 network_name: str = "", scheduler_options: dict | None = None,
-                 progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None):
+
+class NetworkTuner:
+    """`tune_network` one round at a time, and the one round body of every network loop: `propose(i)` asks
+    task i's policy for a batch, `measure` times it, `learn(i, batch, results)` stores the records and
+    tells the policy and the scheduler. `step()` runs the round the scheduler chooses, so a caller can
+    stop between rounds or let two schedulers take turns on one machine (the benchmark does, so that
+    the machine's drift hits both alike); the flow runs the three parts as steps of its own.
+
+    With `records`, the stored history of every task is read first (`resume()`; resume=False leaves that
+    to the caller): programs measured before are never measured again, and the scheduler starts from
+    each task's stored best."""
+
+    def __init__(self, tasks: list[SearchTask], trials: int, measurer: Measurer | None, *,
+                 model: str | CostModel = "xgb", params: SearchParams | None = None,
+                 records: RecordStore | None = None, strategy: str = "gradient", objective: Objective | None = None,
+                 seed: int = 0, flow_run_id: str = "", network_name: str = "", scheduler_options: dict | None = None,
+                 progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None,
+                 resume: bool = True):
         self.trials, self.measurer, self.records, self.progress = trials, measurer, records, progress
         self.flow_run_id, self.network_name = flow_run_id, network_name
-        params = params or SearchParams()
-        shared = make_model(model, seed)
-        self.policies = [SketchPolicy(t, shared, params, seed=seed + i, seeds=default_seeds(t))
-                         for i, t in enumerate(tasks)]
+        self.params = params = params or SearchParams()
+        self.model = make_model(model, seed)
+        initial = [default_programs(t) for t in tasks]
+        # the runtime's default schedule of each task (None: it has none), measured in its first round
+        self.default_steps = [p[0].steps_json() if p else None for p in initial]
+        self.policies = [SketchPolicy(t, self.model, params, seed=seed + i, initial_programs=p)
+                         for i, (t, p) in enumerate(zip(tasks, initial))]
         self.sched = TaskScheduler(tasks, objective=objective, strategy=strategy, seed=seed,
                                    **(scheduler_options or {}))
-        if records is not None:
-            for i, p in enumerate(self.policies):
-                n = resume_policy(p, records)
-                if n and p.best is not None:
-                    self.sched.restore(i, max(1, n // params.num_measures_per_round), p.best_cost)
         self.per_round = max(1, min(params.num_measures_per_round, trials // len(tasks)))
-        self.result = NetworkTuneResult(tasks, list(self.sched.best_costs),
-                                        [p.best[1].steps_json if p.best else None for p in self.policies], 0)
+        self.history = [0] * len(tasks)           # programs of each task read from the records
+        self.trials_run = [0] * len(tasks)        # ... and measured by this tuner
+        self.result = NetworkTuneResult(tasks, [], [], 0)
+        self._sync_result()
         self.rounds = 0
+        if resume and records is not None:
+            self.resume()
+
+    def resume(self) -> list[int]:
+        """Read each task's stored history into its policy, the cost model and the scheduler; returns the
+        number of programs read per task."""
+        if self.records is None:
+            return list(self.history)
+        for i, p in enumerate(self.policies):
+            n = self.history[i] = resume_policy(p, self.records)
+            if n and p.best is not None:
+                self.sched.restore(i, max(1, n // self.params.num_measures_per_round), p.best_cost)
+        self._sync_result()
+        return list(self.history)
+
+    def _sync_result(self) -> None:
+        self.result.best_costs = list(self.sched.best_costs)
+        self.result.best_steps = [p.best[1].steps_json if p.best else None for p in self.policies]
+
+    def propose(self, i: int) -> Proposal:
+        """Task i's next batch: up to a round's share of the remaining budget, never measured before."""
+        n = min(self.per_round, self.trials - self.result.trials)
+        batch, scores = propose(self.policies[i], n)
+        return Proposal(i, batch, scores)
+
+    def measure(self, batch: Proposal) -> list[MeasureResult]:
+        if not batch.candidates:
+            return []
+        if self.measurer is None:
+            raise ValueError("this tuner has no measurer: measure the batch and pass the results to learn()")
+        return self.measurer.measure(self.policies[batch.task].task, [c.steps_json for c in batch.candidates])
+
+    def learn(self, i: int, batch: Proposal, results: list[MeasureResult]) -> None:
+        """Append the batch's records (first: learning may fail, a record must not be lost), then update
+        task i's policy and the scheduler. An empty batch marks the task exhausted and is no round."""
+        policy, result = self.policies[i], self.result
+        learn(policy, batch.candidates, results, batch.scores, records=self.records, round_=self.rounds,
+              flow_run_id=self.flow_run_id, network=self.network_name)
+        self.sched.record(i, [r.mean for r in results], exhausted=not batch.candidates)
+        result.best_costs = list(self.sched.best_costs)
+        result.best_steps[i] = policy.best[1].steps_json if policy.best else None
+        result.decisions = list(self.sched.decisions)
+        result.curve.append((result.trials + len(batch.candidates), self.sched.score()))
+        if batch.candidates:
+            self.trials_run[i] += len(batch.candidates)
+            result.trials += len(batch.candidates)
+            self.rounds += 1
 
     def step(self) -> bool:
         """Tune the next task for one round; False (and nothing done) once the budget is spent or every
@@ -269,27 +333,23 @@ class NetworkTuner:
         i = self.sched.choose()
         if i is None:
             return False
-        policy, result = self.policies[i], self.result
-        n = min(self.per_round, self.trials - result.trials)
-        batch, measured, log = run_round(policy, self.measurer, n, records=self.records,
-                                         round_=self.rounds, flow_run_id=self.flow_run_id,
-                                         network=self.network_name)
-        self.sched.record(i, [r.mean for r in measured], exhausted=not batch)
-        result.trials += len(batch)
-        result.best_costs = list(self.sched.best_costs)
-        result.best_steps[i] = policy.best[1].steps_json if policy.best else None
-        result.curve.append((result.trials, self.sched.score()))
-        result.decisions = list(self.sched.decisions)
-        self.rounds += 1
+        t0 = time.perf_counter()
+        batch = self.propose(i)
+        t1 = time.perf_counter()
+        results = self.measure(batch)
+        t2 = time.perf_counter()
+        round_ = self.rounds
+        self.learn(i, batch, results)
         if self.progress is not None:
-            self.progress(i, log, result)
+            self.progress(i, round_log(self.policies[i], round_, batch.candidates, results,
+                                       t1 - t0, t2 - t1, time.perf_counter() - t2), self.result)
         return True
 
 
-def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measurer=None,
+def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measurer: Measurer | None = None,
                  model: str | CostModel = "xgb", params: SearchParams | None = None,
-                 records: RecordStore | None = None, strategy: str = "gradient", objective=None, seed: int = 0,
-                 flow_run_id: str = "", network_name: str = "", target: str = "llvm",
+                 records: RecordStore | None = None, strategy: str = "gradient", objective: Objective | None = None,
+                 seed: int = 0, flow_run_id: str = "", network_name: str = "", target: str = "llvm",
                  network_options: dict | None = None, scheduler_options: dict | None = None,
                  progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None) -> NetworkTuneResult:
     """Spend `trials` measurements over a network's tasks, where the objective gains most.

@@ -52,7 +52,7 @@ def _tile(s: State, inner: str, outer: str) -> State:
     n_red = len(s.stage_by_name(inner).op.reduce_axes)
     steps = []
     for i in range(n_sp):
-        extent = s.stage_by_name(inner).iters[2 * i].extent
+        extent = s.stage_by_name(inner).iters[2 * i].known_extent
         back = n_sp - 1 - i
         want = TILE[back] if back < len(TILE) else 1
         steps.append(len(s.steps))
@@ -60,10 +60,10 @@ def _tile(s: State, inner: str, outer: str) -> State:
     order = [2 * i for i in range(n_sp)] + list(range(2 * n_sp, 2 * n_sp + n_red)) + [2 * i + 1 for i in range(n_sp)]
     s = s.reorder(inner, order)
     last = len(order) - 1
-    if s.stage_by_name(inner).iters[last].extent > 1:
+    if s.stage_by_name(inner).iters[last].known_extent > 1:
         s = s.vectorize(inner, last)
     for j in range(last - 1, last - n_sp, -1):       # the other tile loops: unrolled, so the tile is registers
-        if s.stage_by_name(inner).iters[j].extent > 1:
+        if s.stage_by_name(inner).iters[j].known_extent > 1:
             s = s.unroll(inner, j)
     for i in range(n_sp):
         s = s.follow_split(outer, 2 * i, steps[i], 1)
@@ -71,7 +71,7 @@ def _tile(s: State, inner: str, outer: str) -> State:
     if n_sp > 1:
         s = s.fuse(outer, list(range(n_sp)))
     s = s.parallel(outer, 0)
-    if s.stage_by_name(outer).iters[-1].extent > 1:
+    if s.stage_by_name(outer).iters[-1].known_extent > 1:
         s = s.vectorize(outer, len(s.stage_by_name(outer).iters) - 1)
     return s.compute_at(inner, outer, 0)
 

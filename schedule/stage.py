@@ -29,8 +29,15 @@ class Iterator:
     extent: int | None
     kind: str                    # "spatial" | "reduce"
     annotation: str = "none"
-    var: Var = field(default=None, compare=False, repr=False)
+    var: Var = field(default=None, compare=False, repr=False)  # type: ignore[assignment]  # set by every maker
     pragmas: tuple = ()          # (("auto_unroll_max_step", 64),)
+
+    @property
+    def known_extent(self) -> int:
+        """The extent, where the caller knows it is known (every split so far has concrete lengths)."""
+        if self.extent is None:
+            raise ValueError(f"the extent of {self.name} is not known (a split with an open length)")
+        return self.extent
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -105,6 +112,7 @@ def fresh_copy(op: Tensor, name: str, body_map=None) -> Tensor:
     red = tuple(IterVar(a.name, a.extent, a.kind) for a in op.reduce_axes)
     mapping = dict(zip(op.axes + op.reduce_axes, axes + red))
     body = op.body
+    assert body is not None                          # a compute, not a placeholder
     if isinstance(body, te.Reduce):
         body = te.Reduce(body.combiner, te.substitute(body.source, mapping), red)
     else:

@@ -45,7 +45,7 @@ class State:
         self.dag = dag
         self.stages = stages if stages is not None else initial_stages(dag)
         self.steps = steps
-        self._analysis = None
+        self._analysis: AccessAnalysis | None = None
 
     def _derive(self, stages: list[Stage], step: Step) -> "State":
         new = State(self.dag, tuple(stages), self.steps + (step,))
@@ -96,13 +96,15 @@ class State:
     def computed_within(self, consumer: str, producer: str) -> bool:
         """Stage `consumer` runs inside the loop that `producer` is computed at (after it), so it may
         read what that loop computed."""
-        target, var = self.stage_by_name(producer).attach
+        attach = self.stage_by_name(producer).attach
+        assert attach is not None, f"{producer} is not computed at a loop"
+        target, var = attach
         target_stage = self.stage_by_name(target)
         at = target_stage.iter_index(var)
         cur = consumer
         while cur != target:
             st = self.stage_by_name(cur)
-            if st.compute_at != "iter":
+            if st.compute_at != "iter" or st.attach is None:
                 return False
             if st.attach[0] == target:
                 j = target_stage.iter_index(st.attach[1])
@@ -142,7 +144,7 @@ class State:
             return te.transform(body, repl)
 
         for st in self.stages:
-            if st.is_placeholder:
+            if st.op.body is None:                   # a placeholder
                 continue
             if st.compute_at == "inline":
                 inline[st.name] = (st.op, expand(st.op.body))

@@ -98,7 +98,7 @@ class SplitStep(Step):
         rest = it.extent
         n = len(lengths)
         order = range(n - 1, -1, -1) if self.inner_to_outer else range(n)
-        pieces = [None] * n
+        pieces: list[int | None] = [None] * n
         for i in order:
             ln = lengths[i]
             pieces[i] = ln
@@ -130,7 +130,9 @@ class SplitStep(Step):
 def split_lengths_of(state: "State", step_id: int) -> tuple[int | None, ...]:
     if not 0 <= step_id < len(state.steps) or not isinstance(state.steps[step_id], SplitStep):
         raise IllegalStep(f"step {step_id} is not a split (follow-split needs a split step to follow)")
-    return state.steps[step_id].lengths
+    step = state.steps[step_id]
+    assert isinstance(step, SplitStep)
+    return step.lengths
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ class FollowSplitStep(Step):
         if not 1 <= self.n_split <= len(src):
             raise IllegalStep(f"follow_split: n_split {self.n_split} must be in 1..{len(src)}")
         out = list(src[:self.n_split - 1])
-        last = 1
+        last: int | None = 1
         for ln in src[self.n_split - 1:]:
             last = None if (last is None or ln is None) else last * ln
         return tuple(out + [last])
@@ -178,7 +180,7 @@ class FollowFusedSplitStep(Step):
     code = "FFSP"
 
     def length(self, state: "State") -> int | None:
-        out = 1
+        out: int | None = 1
         for sid in self.src_step_ids:
             src = split_lengths_of(state, sid)
             if not 0 <= self.level < len(src):
@@ -362,7 +364,7 @@ class ComputeAtStep(Step):
             raise IllegalStep(f"compute_at: {target.name} does not consume {stage.name}; a stage can only be "
                               f"computed inside a consumer's loops")
         cur = target
-        while cur.compute_at == "iter":
+        while cur.compute_at == "iter" and cur.attach is not None:
             if cur.attach[0] == stage.name:
                 raise IllegalStep(f"compute_at: {target.name} is itself computed inside {stage.name}")
             cur = state.stage_by_name(cur.attach[0])
@@ -380,7 +382,7 @@ class ComputeAtStep(Step):
 
 
 def _attached_to(state: "State", name: str) -> list[str]:
-    return [s.name for s in state.stages if s.compute_at == "iter" and s.attach[0] == name]
+    return [s.name for s in state.stages if s.compute_at == "iter" and s.attach is not None and s.attach[0] == name]
 
 
 @dataclass(frozen=True)
@@ -470,6 +472,7 @@ def _redirect_loads(stages: list[Stage], replaced: dict[Tensor, Tensor]) -> None
     for i, st in enumerate(stages):
         if st.op in replaced.values() or st.is_placeholder:
             continue
+        assert st.op.body is not None                # not a placeholder
         if not any(isinstance(n, Load) and n.tensor in replaced for n in te.walk(st.op.body)):
             continue
         body = te.transform(st.op.body, lambda n: Load(replaced[n.tensor], n.indices)
@@ -504,6 +507,7 @@ class CacheReadStep(Step):
         stages = list(state.stages)
         replaced = {}
         for rid, r in zip(self.reader_stage_ids, readers):
+            assert r.op.body is not None             # a reader computes
             body = te.transform(r.op.body, lambda n: Load(cache, n.indices)
                                 if isinstance(n, Load) and n.tensor is old else None)
             replaced[r.op] = Tensor(r.op.name, r.op.shape, r.op.dtype, r.op.axes, body, r.op.attrs)
@@ -584,9 +588,9 @@ class RfactorStep(Step):
         reduce_leaves = [x for x in stage.iters if x.kind == "reduce"]
         # rf op: spatial axes + the factored iterator; reduce over the other reduce leaves.
         new_sp = [IterVar(a.name, a.extent, "spatial") for a in op.axes]
-        f_axis = IterVar(f"{it.name}", it.extent, "spatial")
+        f_axis = IterVar(f"{it.name}", it.known_extent, "spatial")
         sp_axes = new_sp[:self.factor_iter_id] + [f_axis] + new_sp[self.factor_iter_id:]
-        red_axes = [IterVar(x.name, x.extent, "reduce") for x in reduce_leaves if x is not it]
+        red_axes = [IterVar(x.name, x.known_extent, "reduce") for x in reduce_leaves if x is not it]
         leaf_map = {x.var: ax for x, ax in zip([x for x in reduce_leaves if x is not it], red_axes)}
         leaf_map[it.var] = f_axis
         leaf_map.update({x.var: ax for x, ax in zip(spatial, new_sp)})
@@ -599,13 +603,14 @@ class RfactorStep(Step):
             src = te.if_then_else(guard, src, op.body.identity)
         rf_name = _unique_stage_name(state, f"{op.name}.rf")
         rf_shape = tuple(a.extent for a in sp_axes)
+        rf_body: te.Expr
         if red_axes:
             rf_body = te.Reduce(op.body.combiner, src, tuple(red_axes))
         else:
             rf_body = src
         rf = Tensor(rf_name, rf_shape, op.dtype, tuple(sp_axes), rf_body, {})
         out_axes = tuple(IterVar(a.name, a.extent, "spatial") for a in op.axes)
-        r = IterVar(f"{it.name}_v", it.extent, "reduce")
+        r = IterVar(f"{it.name}_v", it.known_extent, "reduce")
         idx = list(out_axes[:self.factor_iter_id]) + [r] + list(out_axes[self.factor_iter_id:])
         out = Tensor(op.name, op.shape, op.dtype, out_axes,
                      te.Reduce(op.body.combiner, Load(rf, tuple(idx)), (r,)), op.attrs)
@@ -640,7 +645,7 @@ class StorageAlignStep(Step):
         if self.factor <= 0 or not 0 <= self.offset < self.factor:
             raise IllegalStep(f"storage_align needs factor > 0 and 0 <= offset < factor, got "
                               f"{self.factor}, {self.offset}")
-        axis = list(stage.op.axes).index(it.var)
+        axis = list[Var](stage.op.axes).index(it.var)
         stages = list(state.stages)
         aligns = tuple(a for a in stage.storage_align if a[0] != axis) + ((axis, self.factor, self.offset),)
         stages[self.stage_id] = stage.replace(storage_align=aligns)

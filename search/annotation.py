@@ -12,6 +12,7 @@ from dataclasses import replace as dc_replace
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search import utils
+from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import Sketch
 
 AUTO_UNROLL_CPU = (0, 16, 64, 512)
@@ -136,15 +137,16 @@ def annotate_vectorization(state: State, rng: random.Random, max_vectorize: int)
     return state
 
 
-def sample_state(sketch: Sketch, rng: random.Random, num_cores: int, params: dict) -> State:
+def sample_state(sketch: Sketch, rng: random.Random, num_cores: int, params: SearchParams | None = None) -> State:
     """One random complete program from a sketch (CPU rules)."""
-    steps = fill_tile_sizes(sketch, rng, params.get("max_innermost_split_factor", 64))
+    params = params or SearchParams()
+    steps = fill_tile_sizes(sketch, rng, params.max_innermost_split_factor)
     state = State.replay(sketch.state.dag, steps)
-    if not params.get("disable_change_compute_location", 0):
+    if not params.disable_change_compute_location:
         state = change_compute_location(state, rng)
     state = annotate_parallel(state, num_cores)
     state = annotate_unroll(state, rng)
-    state = annotate_vectorization(state, rng, params.get("max_vectorize_size", 16))
+    state = annotate_vectorization(state, rng, params.max_vectorize_size)
     if utils.has_nested_parallel(state):
         raise InvalidSample("nested parallel loops")
     return state

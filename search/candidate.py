@@ -32,7 +32,9 @@ class Candidate:
     def __init__(self, dag: ComputeDAG, steps: tuple[Step, ...], sketch: int = -1, state: State | None = None,
                  structure: str | None = None):
         self.dag, self.steps, self.sketch = dag, tuple(steps), sketch
-        self._state, self._json, self._key = state, None, None
+        self._state = state
+        self._json: str | None = None
+        self._key: StepsKey | None = None
         self.structure = structure          # feature-template key; kept by number-only mutations
 
     @staticmethod

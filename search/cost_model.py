@@ -12,11 +12,12 @@ import logging
 import math
 import random
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
-from tensortune.schedule.state import State
-from tensortune.search.feature import N_FEATURES
+from tensortune.schedule.program import Program
+from tensortune.search.feature_layout import N_FEATURES
 from tensortune.search.feature_pool import Featurizer
 from tensortune.tasks.search_task import SearchTask
 
@@ -27,12 +28,16 @@ XGB_PARAMS = {"max_depth": 10, "gamma": 0.001, "min_child_weight": 0, "eta": 0.2
 
 
 class CostModel:
-    """Higher score = predicted faster."""
+    """Higher score = predicted faster. `version` names the model the scores come from (records carry
+    it; "" for one that never trained), `metrics` how well its last training ranked held-out programs."""
 
-    def predict(self, task: SearchTask, states: list[State]) -> np.ndarray:
+    version: str = ""
+    metrics: TrainingMetrics | None = None
+
+    def predict(self, task: SearchTask, programs: Sequence[Program]) -> np.ndarray:
         raise NotImplementedError
 
-    def update(self, task: SearchTask, states: list[State], costs: list[float]) -> None:
+    def update(self, task: SearchTask, programs: Sequence[Program], costs: Sequence[float]) -> None:
         """Learn from measurements (`costs` in seconds; inf for failures)."""
 
     @property
@@ -94,17 +99,16 @@ class XGBModel(CostModel):
                  max_rounds: int = 400, early_stopping: int = 50, features: Featurizer | None = None):
         self.num_warmup_sample, self.seed, self.holdout, self.k = num_warmup_sample, seed, holdout, k
         self.max_rounds, self.early_stopping = max_rounds, early_stopping
-        self.booster = None
+        self.booster: Any = None             # an xgboost.Booster once trained
         self.features = features or Featurizer()    # pass one in to share templates across versions
         self.data: dict[str, list[tuple[np.ndarray, float]]] = {}   # workload key -> [(features, throughput)]
         self.unseen: dict[str, int] = {}    # workload key -> rows added since the booster was trained
-        self.metrics: TrainingMetrics | None = None
-        self.version = 0
+        self.trainings = 0                  # fits so far; `version` is its text
         self._fallback = RandomModel(seed)
 
     # ------------------------------------------------------------------ data
 
-    def add(self, task: SearchTask, states: list[State], costs: list[float]) -> None:
+    def add(self, task: SearchTask, states: Sequence[Program], costs: Sequence[float]) -> None:
         feats = self.features(task, states)
         rows = self.data.setdefault(task.workload_key, [])
         for f, c in zip(feats, costs):
@@ -171,12 +175,13 @@ class XGBModel(CostModel):
         if self.n_programs < 8:
             return None
         data = self._normalised()
-        acc, rec = [], []
+        acc: list[float] = []
+        rec: list[float] = []
         fresh = {key: rows[len(rows) - self.unseen.get(key, 0):] for key, rows in data.items()}
         if self.booster is not None and any(len(rows) >= 2 for rows in fresh.values()):
             self._rank(self.booster, fresh, acc, rec)
         else:
-            rng = random.Random(self.seed + self.version)
+            rng = random.Random(self.seed + self.trainings)
             train, held = [], {}
             for key, rows in data.items():
                 idx = list(range(len(rows)))
@@ -191,13 +196,14 @@ class XGBModel(CostModel):
         self.unseen = {}
         pred = self._predict_rows(self.booster, [f for f, _ in all_rows])
         true = np.array([t for _, t in all_rows])
-        self.version += 1
+        self.trainings += 1
+        self.version = str(self.trainings)
         self.metrics = TrainingMetrics(
             len(all_rows), len(data), float(np.nanmean(acc)) if acc else float("nan"),
             float(np.nanmean(rec)) if rec else float("nan"), self.k,
             float(np.sqrt(np.mean((pred - true) ** 2))), int(self.booster.best_iteration + 1))
         log.info("cost model v%d trained on %d programs of %d task(s): held-out pairwise accuracy %.3f, "
-                 "recall@%d %.3f", self.version, self.metrics.n_programs, self.metrics.n_tasks,
+                 "recall@%d %.3f", self.trainings, self.metrics.n_programs, self.metrics.n_tasks,
                  self.metrics.pairwise_accuracy, self.k, self.metrics.recall_at_k)
         return self.metrics
 
@@ -232,7 +238,7 @@ class XGBModel(CostModel):
         if self.booster is None:
             raise ValueError("the model has not been trained yet")
         raw = bytes(self.booster.save_raw("ubj"))
-        meta = json.dumps({"version": self.version, "n_programs": self.n_programs,
+        meta = json.dumps({"version": self.trainings, "n_programs": self.n_programs,
                            "metrics": self.metrics.as_dict() if self.metrics else None,
                            "best_iteration": int(self.booster.best_iteration)}).encode()
         return len(meta).to_bytes(4, "little") + meta + raw
@@ -246,7 +252,8 @@ class XGBModel(CostModel):
         booster.load_model(bytearray(blob[4 + n:]))
         booster.set_attr(best_iteration=str(meta["best_iteration"]))
         model = XGBModel(**kw)
-        model.booster, model.version = booster, meta["version"]
+        model.booster, model.trainings = booster, int(meta["version"])
+        model.version = str(model.trainings)
         model.num_warmup_sample = 0
         if meta.get("metrics"):
             model.metrics = TrainingMetrics(**meta["metrics"])

@@ -23,25 +23,35 @@ enclosing loops, and its readers see a buffer the size of the region.
 from __future__ import annotations
 
 import json
-import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from tensortune.schedule.loop_structure import loop_structure
+from tensortune.schedule.program import Program
 from tensortune.schedule.stage import Split
 from tensortune.schedule.state import State
 from tensortune.schedule.steps import FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, SplitStep
+from tensortune.search.feature_layout import (
+    BUF,
+    BUFFER_FIELDS,
+    COLUMN,
+    CURVE_N,
+    MAX_N_BUFS,
+    N_FEATURES,
+    OFFSET,
+    OP_FIELDS,
+    onehot_mask,
+)
+from tensortune.search.symbolic import FreeVars, IntervalCompiler, Linear, compile_exprs, linear_form
 from tensortune.tasks import te
 from tensortune.tasks.search_task import SearchTask
 from tensortune.tasks.te import DTYPE_BYTES, Expr, Var
 
-N_FEATURES = 164
-MAX_N_BUFS = 5
-CURVE_N = 10
 _GPU_AXES = ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y", "threadIdx.z")
+_ANNOTATION_GROUPS = (("vectorize", "vec"), ("unroll", "unroll"), ("parallel", "parallel"))   # loop kind, group
+_ONEHOT = np.array(onehot_mask())
 
 
 def _structural_split(state: State, i: int) -> bool:
@@ -77,253 +87,20 @@ def state_numbers(state: State, slots: list[tuple[int, int]]) -> list[int]:
     return [state.steps[i].lengths[k] if k >= 0 else state.steps[i].parsed()[1] for i, k in slots]
 
 
-# ------------------------------------------------------------------------------------ expressions
-
-def _py(e, names: dict) -> str:
-    """Python/numpy source of an integer expression over symbol arrays."""
-    if isinstance(e, int):
-        return str(e)
-    if isinstance(e, te.Const):
-        return repr(e.value)
-    if isinstance(e, Var):
-        return f"e[{names[e]!r}]"
-    if isinstance(e, te.BinOp):
-        a, b = _py(e.a, names), _py(e.b, names)
-        return {"add": f"({a} + {b})", "sub": f"({a} - {b})", "mul": f"({a} * {b})",
-                "floordiv": f"({a} // {b})", "floormod": f"({a} % {b})", "div": f"({a} / {b})",
-                "min": f"np.minimum({a}, {b})", "max": f"np.maximum({a}, {b})"}[e.op]
-    if isinstance(e, te.Cast):
-        return _py(e.value, names)
-    raise TypeError(f"feature template cannot evaluate {type(e).__name__}")
-
-
-def _compile(exprs: list, names: dict):
-    """One function computing all `exprs` from an env dict of arrays (straight-line numpy)."""
-    body = ", ".join(_py(x, names) for x in exprs)
-    return eval(f"lambda e: ({body},)", {"np": np})  # noqa: S307 - source generated from our own trees
-
-
-@dataclass
-class _Linear:
-    """index = sum(coef[v] * v) + sum(atoms) + const, over the loop variables of one nest."""
-    coef: dict = field(default_factory=dict)      # loop var -> coefficient expression
-    atoms: list = field(default_factory=list)     # non-linear parts containing loop vars
-
-
-class _FreeVars:
-    """te.free_vars, memoised by node: `_linear` asks about every subtree of every index, and index
-    trees share subtrees, so walking each anew was quadratic (a third of building a template).
-    The memo holds each node it keys by id: a freed temporary's id can be reused by a new node, which
-    would then get the old node's variables."""
-
-    def __init__(self):
-        self.memo: dict[int, tuple[Expr, frozenset]] = {}
-
-    def __call__(self, e: Expr) -> frozenset:
-        hit = self.memo.get(id(e))
-        if hit is not None:
-            return hit[1]
-        if isinstance(e, Var):
-            found = frozenset((e,))
-        else:
-            found = frozenset().union(*(self(k) for k in te.children(e)))
-        self.memo[id(e)] = (e, found)
-        return found
-
-
-def _linear(e: Expr, loop_vars: set, free_vars: _FreeVars) -> _Linear:
-    if isinstance(e, Var):
-        return _Linear({e: 1}) if e in loop_vars else _Linear()
-    if isinstance(e, te.Const):
-        return _Linear()
-    if isinstance(e, te.BinOp) and not te.is_float(e.dtype):
-        if e.op in ("add", "sub"):
-            a, b = _linear(e.a, loop_vars, free_vars), _linear(e.b, loop_vars, free_vars)
-            coef = dict(a.coef)
-            for v, c in b.coef.items():
-                c = c if e.op == "add" else te.binary("sub", te.const(0), te.as_expr(c))
-                coef[v] = te.binary("add", te.as_expr(coef[v]), te.as_expr(c)) if v in coef else c
-            return _Linear(coef, a.atoms + b.atoms)
-        if e.op == "mul":
-            for x, y in ((e.a, e.b), (e.b, e.a)):
-                if not (free_vars(y) & loop_vars):
-                    inner = _linear(x, loop_vars, free_vars)
-                    return _Linear({v: te.binary("mul", te.as_expr(c), y) for v, c in inner.coef.items()},
-                                   [te.binary("mul", a, y) for a in inner.atoms])
-    if free_vars(e) & loop_vars:
-        return _Linear({}, [e])
-    return _Linear()
-
-
-class _IntervalCompiler:
-    """Straight-line numpy source for the bounds of an index expression: loop variables in `ranging`
-    span [0, X[v] - 1] (X: their extents), other loop variables are held at 0, symbols take their
-    values. Sub-expressions become local variables, so shared subtrees are bounded once.
-
-    This is most of the features' run time, so the source is kept small: each interval carries a
-    lower bound known at compile time (loop variables >= 0, tile and region sizes >= 1, given in
-    `floors`), and the product of non-negative intervals is [lo*lo, hi*hi] (two multiplies, not four
-    plus six min/max); a point interval (lo is hi: sizes and their products) is computed once; constant
-    parts are folded.
-    """
-
-    def __init__(self, names: dict, loop_vars: set, floors: dict):
-        self.names, self.loop_vars, self.floors = names, loop_vars, floors
-        self.lines: list[str] = []
-        self.memo: dict = {}
-
-    def bound(self, e: Expr, ranging: frozenset) -> tuple[str, str]:
-        return self._signed(e, ranging)[:2]
-
-    def _signed(self, e: Expr, ranging: frozenset) -> tuple[str, str, float]:
-        """(lo, hi, a number no larger than lo)."""
-        key = (id(e), ranging)
-        if key in self.memo:
-            return self.memo[key]
-        lo, hi, floor = self._bound(e, ranging)
-        if not _is_number(lo) and not _is_name(lo):
-            n = len(self.lines)
-            if lo == hi:
-                self.lines.append(f"p{n} = {lo}")
-                lo = hi = f"p{n}"
-            else:
-                self.lines.append(f"l{n} = {lo}; h{n} = {hi}")
-                lo, hi = f"l{n}", f"h{n}"
-        self.memo[key] = lo, hi, floor
-        return lo, hi, floor
-
-    def _bound(self, e: Expr, ranging: frozenset) -> tuple[str, str, float]:
-        if isinstance(e, te.Const):
-            return repr(e.value), repr(e.value), e.value
-        if isinstance(e, Var):
-            if e in self.loop_vars:
-                return ("0", f"(X[{self.names[e]!r}] - 1)", 0) if e in ranging else ("0", "0", 0)
-            name = self.names[e]
-            return f"e[{name!r}]", f"e[{name!r}]", self.floors.get(name, -math.inf)
-        if isinstance(e, te.Cast):
-            return self._signed(e.value, ranging)
-        if isinstance(e, te.BinOp):
-            (al, ah, af), (bl, bh, bf) = self._signed(e.a, ranging), self._signed(e.b, ranging)
-            if _is_number(al) and al == ah and _is_number(bl) and bl == bh and e.op in _FOLD:
-                value = repr(_FOLD[e.op](_number(al), _number(bl)))
-                return value, value, _number(value)
-            if e.op == "add":
-                return _join("+", al, bl), _join("+", ah, bh), af + bf
-            if e.op == "sub":
-                return _join("-", al, bh), _join("-", ah, bl), af - _number(bh) if _is_number(bh) else -math.inf
-            if e.op == "mul":
-                return self._mul(al, ah, af, bl, bh, bf)
-            if e.op == "floordiv":
-                lo = "0" if al == "0" else f"({al} // np.maximum({bh}, 1))"
-                return lo, f"({ah} // np.maximum({bl}, 1))", 0 if af >= 0 else -math.inf
-            if e.op == "floormod":
-                return f"_mod_lo({al}, {ah}, {bl})", f"_mod_hi({al}, {ah}, {bl}, {bh})", 0
-            if e.op in ("min", "max"):
-                f = "np.minimum" if e.op == "min" else "np.maximum"
-                return f"{f}({al}, {bl})", f"{f}({ah}, {bh})", min(af, bf) if e.op == "min" else max(af, bf)
-        if isinstance(e, te.Select):
-            (tl, th, tf), (fl, fh, ff) = self._signed(e.t, ranging), self._signed(e.f, ranging)
-            return f"np.minimum({tl}, {fl})", f"np.maximum({th}, {fh})", min(tf, ff)
-        return "0", "0", 0
-
-    @staticmethod
-    def _mul(al: str, ah: str, af: float, bl: str, bh: str, bf: float) -> tuple[str, str, float]:
-        if af >= 0 and bf >= 0:
-            return _join("*", al, bl), _join("*", ah, bh), af * bf
-        for (xl, xh, xf), c in (((al, ah, af), bl if bl == bh else None), ((bl, bh, bf), al if al == ah else None)):
-            if xf >= 0 and c is not None and _is_number(c):
-                # a non-negative interval times a negative constant (non-negative ones were handled above)
-                return _join("*", xh, c), _join("*", xl, c), -math.inf
-        c = f"({al} * {bl}), ({al} * {bh}), ({ah} * {bl}), ({ah} * {bh})"
-        return f"_min4({c})", f"_max4({c})", -math.inf
-
-
-_FOLD = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-         "floordiv": lambda a, b: a // max(b, 1), "min": min, "max": max}
-_NAME = re.compile(r"^(e|X)\['\w+'\]$")
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
-
-
-def _number(text: str) -> float:
-    value = float(text)
-    return int(value) if value.is_integer() and "." not in text and "e" not in text else value
-
-
-def _is_name(text: str) -> bool:
-    return bool(_NAME.match(text))
-
-
-def _join(op: str, a: str, b: str) -> str:
-    """`a op b` with the identities of 0 and 1 applied (most bounds start at 0)."""
-    if op == "+" and a == "0":
-        return b
-    if op in "+-" and b == "0":
-        return a
-    if op == "*" and (a == "0" or b == "0"):
-        return "0"
-    if op == "*" and a == "1":
-        return b
-    if op == "*" and b == "1":
-        return a
-    return f"({a} {op} {b})"
-
-
-def _min4(a, b, c, d):
-    return np.minimum(np.minimum(a, b), np.minimum(c, d))
-
-
-def _max4(a, b, c, d):
-    return np.maximum(np.maximum(a, b), np.maximum(c, d))
-
-
-def _mod_inside(al, ah, c):
-    c = np.maximum(c, 1)
-    return (ah - al < c) & (al % c <= ah % c), c
-
-
-def _mod_lo(al, ah, bl):
-    inside, c = _mod_inside(al, ah, bl)
-    return np.where(inside, al % c, 0)
-
-
-def _mod_hi(al, ah, bl, bh):
-    inside, c = _mod_inside(al, ah, bl)
-    return np.where(inside, ah % c, np.maximum(bh - 1, 0))
-
-
 # ------------------------------------------------------------------------------------ op counts
 
-@dataclass
-class _OpCounts:
-    float_addsub: int = 0
-    float_mul: int = 0
-    float_divmod: int = 0
-    float_cmp: int = 0
-    float_math: int = 0
-    int_addsub: int = 0
-    int_mul: int = 0
-    int_divmod: int = 0
-    int_cmp: int = 0
-    int_math: int = 0
-    bool_op: int = 0
-    select_op: int = 0
+class _OpCounts(dict):
+    """Operation counts of a statement, keyed by the op-count feature names (missing ones are 0)."""
+
+    def __missing__(self, key: str) -> int:
+        return 0
 
     def vector(self) -> list[int]:
-        # float_mad, addsub, mul, divmod, cmp, math_func, other_func, then the int ones, bool, select
-        return [0, self.float_addsub, self.float_mul, self.float_divmod, self.float_cmp, self.float_math, 0,
-                0, self.int_addsub, self.int_mul, self.int_divmod, self.int_cmp, self.int_math, 0,
-                self.bool_op, self.select_op]
+        return [self[f] for f in OP_FIELDS]
 
     @property
     def float_ops(self) -> int:
-        return self.float_addsub + self.float_mul + self.float_divmod + self.float_cmp + self.float_math
+        return sum(self[f] for f in ("float_addsub", "float_mul", "float_divmod", "float_cmp", "float_mathfunc"))
 
 
 def _count_ops(e: Expr) -> _OpCounts:
@@ -331,21 +108,21 @@ def _count_ops(e: Expr) -> _OpCounts:
     for n in te.walk(e):
         if isinstance(n, (te.BinOp, te.Cmp)):
             if n.op in ("and", "or"):
-                c.bool_op += 1
+                c["bool_op"] += 1
                 continue
             f = te.is_float(n.a.dtype)
             kind = {"add": "addsub", "sub": "addsub", "mul": "mul", "div": "divmod", "floordiv": "divmod",
                     "floormod": "divmod"}.get(n.op, "cmp")
-            setattr(c, f"{'float' if f else 'int'}_{kind}", getattr(c, f"{'float' if f else 'int'}_{kind}") + 1)
+            c[f"{'float' if f else 'int'}_{kind}"] += 1
         elif isinstance(n, te.Not):
-            c.bool_op += 1
+            c["bool_op"] += 1
         elif isinstance(n, te.Select):
-            c.select_op += 1
+            c["select_op"] += 1
         elif isinstance(n, te.Call):
             if te.is_float(n.dtype):
-                c.float_math += 1
+                c["float_mathfunc"] += 1
             else:
-                c.int_math += 1
+                c["int_mathfunc"] += 1
     return c
 
 
@@ -354,7 +131,7 @@ def _count_ops(e: Expr) -> _OpCounts:
 @dataclass
 class _Access:
     buffer: str
-    dims: list                   # per dim: _Linear
+    dims: list                   # per dim: Linear
     acc_type: int                # 0 read, 1 write, 2 read-write
     ele_bytes: int
 
@@ -501,7 +278,7 @@ class FeatureTemplate:
                     reads.setdefault(n.tensor.name, []).append(n.indices)
             loads[name] = reads
         self.stores: list[_Store] = []
-        free_vars = _FreeVars()
+        free_vars = FreeVars()
         for name in self.stage_names:
             st = by_name[name]
             loops = nests[name]
@@ -512,8 +289,8 @@ class FeatureTemplate:
             # the stage's own buffer is indexed relative to its region (values[name]: local coordinates)
             out_idx = [values[name][a] for a in st.op.axes]
             is_update = isinstance(body, te.Reduce)
-            accesses.append(_Access(name, [_linear(i, loop_vars, free_vars) for i in out_idx], 2 if is_update else 1,
-                                    DTYPE_BYTES[st.op.dtype]))
+            accesses.append(_Access(name, [linear_form(i, loop_vars, free_vars) for i in out_idx],
+                                    2 if is_update else 1, DTYPE_BYTES[st.op.dtype]))
             for buf, idx_list in loads[name].items():
                 if buf == name:
                     continue
@@ -522,11 +299,12 @@ class FeatureTemplate:
                 if buf in self.region_syms:       # a region buffer: its enclosing loops only move the region
                     fixed = {v: te.const(0) for v, _, _ in nests[buf][:enclosing[buf]]}
                     idx = [te.substitute(i, fixed) for i in idx]
-                accesses.append(_Access(buf, [_linear(i, loop_vars, free_vars) for i in idx], 0, DTYPE_BYTES[dtype]))
+                accesses.append(_Access(buf, [linear_form(i, loop_vars, free_vars) for i in idx], 0,
+                                        DTYPE_BYTES[dtype]))
             ops = _count_ops(src)
             if is_update:
-                ops.float_addsub += 1 if te.is_float(st.op.dtype) and body.combiner == "sum" else 0
-                ops.float_cmp += 1 if te.is_float(st.op.dtype) and body.combiner != "sum" else 0
+                ops["float_addsub"] += 1 if te.is_float(st.op.dtype) and body.combiner == "sum" else 0
+                ops["float_cmp"] += 1 if te.is_float(st.op.dtype) and body.combiner != "sum" else 0
             self.stores.append(_Store(name, loops, enclosing[name], accesses, ops, name not in outputs))
         # readers of each attached stage, for region inference: (reader store, access)
         self.readers: dict[str, list] = {n: [] for n in self.region_syms}
@@ -552,7 +330,7 @@ class FeatureTemplate:
                         want(c)
         self._names = names
         self._exprs = exprs
-        self._fn = _compile(exprs, names) if exprs else (lambda e: ())
+        self._fn = compile_exprs(exprs, names) if exprs else (lambda e: ())
         self._atom_vars = {id(a): free_vars(a) for s in self.stores for acc in s.accesses for d in acc.dims
                            for a in d.atoms}
         self._compile_atoms()
@@ -567,7 +345,7 @@ class FeatureTemplate:
         self._loop_names = {v: f"x{k}" for k, v in enumerate(sorted(loop_vars, key=id))}
         # split lengths (L..) and region sizes (R..) are at least 1, unroll depths (P..) at least 0
         floors = {name: 1 if name[0] in "LR" else 0 for name in self._names.values()}
-        comp = _IntervalCompiler({**self._names, **self._loop_names}, loop_vars, floors)
+        comp = IntervalCompiler({**self._names, **self._loop_names}, loop_vars, floors)
         self._atom_index: dict = {}
         outputs: list[str] = []
 
@@ -591,11 +369,7 @@ class FeatureTemplate:
                     for a in lin.atoms:
                         want(a, self._ranging(a, store.loops, start))
         if outputs:
-            src = "def f(e, X):\n" + "".join(f"    {line}\n" for line in comp.lines)
-            src += f"    return ({', '.join(outputs)},)\n"
-            scope = {"np": np, "_min4": _min4, "_max4": _max4, "_mod_lo": _mod_lo, "_mod_hi": _mod_hi}
-            exec(src, scope)  # noqa: S102 - source generated from our own expression trees
-            self._atom_fn = scope["f"]
+            self._atom_fn = comp.function(outputs)
         else:
             self._atom_fn = None
 
@@ -656,7 +430,7 @@ class FeatureTemplate:
         out = np.where(_ONEHOT[None, :, None], raw, logged)
         return out.transpose(2, 0, 1)
 
-    def _width(self, lin: _Linear, loops: list, ext: list, start: int, vals: tuple, W: tuple, m: int):
+    def _width(self, lin: Linear, loops: list, ext: list, start: int, vals: tuple, W: tuple, m: int):
         """Span of one index dimension when the loops from `start` inward vary (outer loops fixed)."""
         w = np.zeros(m, dtype=np.int64)
         for k in range(start, len(loops)):
@@ -716,22 +490,23 @@ class FeatureTemplate:
         out = np.zeros((N_FEATURES, m))
         E = ext[plan["loop_rows"]]                                  # [n, m]
         outer = E.prod(axis=0) if n else np.ones(m)
-        out[0:16] = np.asarray(s.ops.vector(), dtype=np.float64)[:, None] * outer
-        row = 16
-        for kind in ("vectorize", "unroll", "parallel"):
+        ops_at = OFFSET["ops"]
+        out[ops_at:ops_at + len(OP_FIELDS)] = np.asarray(s.ops.vector(), dtype=np.float64)[:, None] * outer
+        for kind, group in _ANNOTATION_GROUPS:
+            row, col = OFFSET[group], COLUMN[group]
             idx = plan["kinds"][kind]
             if idx:
-                out[row] = len(idx)
-                out[row + 1] = E[idx].prod(axis=0)
-                out[row + 2] = E[idx[-1]]
-                out[row + 10] = 1.0                       # kPosMixed
+                out[row + col["num"]] = len(idx)
+                out[row + col["prod"]] = E[idx].prod(axis=0)
+                out[row + col["len"]] = E[idx[-1]]
+                out[row + col["type.kPosMixed"]] = 1.0
             else:
-                out[row + 3] = 1.0                        # kPosNone
-            row += 11
-        out[row] = float(self.is_gpu)
-        for j, a in enumerate(_GPU_AXES):
-            out[row + 1 + j] = E[plan["gpu"][a]] if a in plan["gpu"] else 1.0
-        out[row + 7] = E[plan["vthread"]].prod(axis=0) if plan["vthread"] else 1.0
+                out[row + col["type.kPosNone"]] = 1.0
+        row, col = OFFSET["gpu"], COLUMN["gpu"]
+        out[row + col["is_gpu"]] = float(self.is_gpu)
+        for a in _GPU_AXES:
+            out[row + col[a.replace(".", "_") + "_len"]] = E[plan["gpu"][a]] if a in plan["gpu"] else 1.0
+        out[row + col["vthread_len"]] = E[plan["vthread"]].prod(axis=0) if plan["vthread"] else 1.0
         # ---- buffer accesses: touched elements at every level (loops i.. vary), i = 0..n
         touched, region0, shapes = [], [], []
         for acc, rows, (dim_of, loop_of, coefs, atom_dims) in zip(s.accesses, plan["shape_rows"], plan["spans"]):
@@ -771,41 +546,45 @@ class FeatureTemplate:
                 n_cont = np.where(hit, e * region0[a][d], n_cont)
                 done |= hit
             unique_lines = np.maximum(unique / np.minimum(n_cont, self.cache_line), 1.0) if n else np.ones(m)
-            f = np.zeros((18, m))
-            f[min(acc.acc_type, 2)] = 1.0
-            f[3], f[4], f[5], f[6] = bytes_, unique, lines, unique_lines
+            f = np.zeros((len(BUFFER_FIELDS), m))
+            f[BUF[("acc_type.kRead", "acc_type.kWrite", "acc_type.kReadWrite")[min(acc.acc_type, 2)]]] = 1.0
+            sizes = {"bytes": bytes_, "unique_bytes": unique, "lines": lines, "unique_lines": unique_lines}
+            for name, x in sizes.items():
+                f[BUF[name]] = x
             if reuse_at is None:
-                f[9] = 1.0                                              # kNoReuse
+                f[BUF["reuse_type.kNoReuse"]] = 1.0
             else:
                 r = reuse_at
-                f[7] = 1.0                                              # kLoopMultipleRead
-                f[10] = E[r + 1:].prod(axis=0) if r + 1 < n else 1.0
-                f[11] = mem[r + 1] if r + 1 < n else eb.sum()
-                f[12] = E[r]
-            ct = f[12]
+                f[BUF["reuse_type.kLoopMultipleRead"]] = 1.0
+                f[BUF["reuse_dis_iter"]] = E[r + 1:].prod(axis=0) if r + 1 < n else 1.0
+                f[BUF["reuse_dis_bytes"]] = mem[r + 1] if r + 1 < n else eb.sum()
+                f[BUF["reuse_ct"]] = E[r]
+            ct = f[BUF["reuse_ct"]]
             big = ct > 0.5
             safe = np.where(big, ct, 1.0)
-            for j, x in enumerate((bytes_, unique, lines, unique_lines)):
-                f[13 + j] = np.where(big, x / safe, x * 2)
-            f[17] = stride if found == n - 1 else 0.0
+            for name, x in sizes.items():
+                f[BUF[f"{name}_d_reuse_ct"]] = np.where(big, x / safe, x * 2)
+            f[BUF["stride"]] = stride if found == n - 1 else 0.0
             buf_feats.append(f)
             keys.append((lines, bytes_))
-        out[57:57 + 18 * MAX_N_BUFS] = self._top_buffers(buf_feats, keys, m)
-        base = 57 + 18 * MAX_N_BUFS
+        row = OFFSET["buffers"]
+        out[row:row + len(BUFFER_FIELDS) * MAX_N_BUFS] = self._top_buffers(buf_feats, keys, m)
         cur = s.ops.float_ops
         if cur > 0 and n:
             ops = cur * np.cumprod(E[::-1], axis=0)                     # innermost first
-            out[base:base + CURVE_N] = self._curve(ops, mem[n - 1::-1][:n], cur, m)
-        base += CURVE_N
+            out[OFFSET["curve"]:OFFSET["curve"] + CURVE_N] = self._curve(ops, mem[n - 1::-1][:n], cur, m)
+        row, col = OFFSET["alloc"], COLUMN["alloc"]
         if s.alloc:
             acc0 = s.accesses[0]
             elems = all_shapes[plan["alloc_rows"]].prod(axis=0)
             alloc_outer = E[:s.n_enclosing].prod(axis=0) if s.n_enclosing else np.ones(m)
-            out[base], out[base + 1], out[base + 2], out[base + 3] = (elems * acc0.ele_bytes, elems * alloc_outer,
-                                                                     alloc_outer, outer / alloc_outer)
+            out[row + col["alloc_size"]] = elems * acc0.ele_bytes
+            out[row + col["alloc_prod"]] = elems * alloc_outer
+            out[row + col["alloc_outer_prod"]] = alloc_outer
+            out[row + col["alloc_inner_prod"]] = outer / alloc_outer
         u = plan["unroll"]
-        out[base + 4], out[base + 5] = outer, n
-        out[base + 6] = (env[u.name] if isinstance(u, Var) else u) if u is not None else 0.0
+        out[row + col["outer_prod"]], out[row + col["num_loops"]] = outer, n
+        out[row + col["auto_unroll_max_step"]] = (env[u.name] if isinstance(u, Var) else u) if u is not None else 0.0
         return out
 
     def _shape_value(self, buf: str, d: int, env: dict):
@@ -815,7 +594,7 @@ class FeatureTemplate:
     def _uses(self, acc: _Access, var: Var) -> bool:
         return any(var in lin.coef or any(var in self._atom_vars[id(a)] for a in lin.atoms) for lin in acc.dims)
 
-    def _atom_suffix(self, lin: _Linear, loops: list, m: int) -> np.ndarray:
+    def _atom_suffix(self, lin: Linear, loops: list, m: int) -> np.ndarray:
         """Span of the non-linear index parts at each level; it only changes where one of an atom's
         loop variables starts to vary, so each atom is bounded once per such position."""
         out = np.zeros((len(loops) + 1, m))
@@ -828,15 +607,15 @@ class FeatureTemplate:
 
     @staticmethod
     def _top_buffers(buf_feats: list, keys: list, m: int) -> np.ndarray:
-        """The MAX_N_BUFS accesses with most (lines, bytes), zero-padded: [18*5, m]."""
+        """The MAX_N_BUFS accesses with most (lines, bytes), zero-padded: [fields * MAX_N_BUFS, m]."""
         feats = np.stack(buf_feats)                       # [n_buf, 18, m]
         lines = np.stack([k[0] for k in keys])            # [n_buf, m]
         bytes_ = np.stack([k[1] for k in keys])
         order = np.lexsort((-bytes_, -lines), axis=0)[:MAX_N_BUFS]   # [<=5, m]
         picked = np.take_along_axis(feats, order[:, None, :], axis=0)
-        out = np.zeros((MAX_N_BUFS, 18, m))
+        out = np.zeros((MAX_N_BUFS, len(BUFFER_FIELDS), m))
         out[:picked.shape[0]] = picked
-        return out.reshape(MAX_N_BUFS * 18, m)
+        return out.reshape(MAX_N_BUFS * len(BUFFER_FIELDS), m)
 
     @staticmethod
     def _curve(ops: np.ndarray, mem: np.ndarray, cur_ops: float, m: int) -> np.ndarray:
@@ -855,25 +634,6 @@ class FeatureTemplate:
         safe = np.where(denom != 0, denom, 1)
         slope = np.where(denom != 0, (at(ratio, pt) - base) / safe, 0)
         return np.where(pt == 0, ratio[0], base + slope * (x - ops_prev))
-
-
-def _onehot_mask() -> np.ndarray:
-    """Columns that are one-hot flags (kept as 0/1); every other feature is log2(1 + |x|) * sign(x)."""
-    mask = np.zeros(N_FEATURES, dtype=bool)
-    pos = 16
-    for _ in range(3):
-        pos += 3
-        mask[pos:pos + 8] = True
-        pos += 8
-    mask[pos] = True                       # is_gpu
-    base = 57
-    for b in range(MAX_N_BUFS):
-        for j in (0, 1, 2, 7, 8, 9):
-            mask[base + b * 18 + j] = True
-    return mask
-
-
-_ONEHOT = _onehot_mask()
 
 
 class FeatureExtractor:
@@ -895,7 +655,7 @@ class FeatureExtractor:
         return tpl
 
     @staticmethod
-    def groups(states: list) -> dict[str, list[int]]:
+    def groups(states: Sequence[Program]) -> dict[str, list[int]]:
         """Positions of `states` by structure key (kept on Candidates for the next call)."""
         groups: dict[str, list[int]] = {}
         for i, s in enumerate(states):
@@ -908,7 +668,7 @@ class FeatureExtractor:
         return groups
 
     @staticmethod
-    def numbers(states: list, idx: list[int]) -> np.ndarray:
+    def numbers(states: Sequence[Program], idx: list[int]) -> np.ndarray:
         """The open numbers of states[idx] (one structure): [len(idx), slots]."""
         slots = _slots(states[idx[0]])
         return np.array([state_numbers(states[i], slots) for i in idx], dtype=np.int64).reshape(len(idx), len(slots))
@@ -926,27 +686,3 @@ class FeatureExtractor:
             for j, i in enumerate(idx):
                 out[i] = feats[j]
         return out  # type: ignore[return-value]
-
-
-def feature_names() -> list[str]:
-    names = ["float_mad", "float_addsub", "float_mul", "float_divmod", "float_cmp", "float_mathfunc",
-             "float_otherfunc", "int_mad", "int_addsub", "int_mul", "int_divmod", "int_cmp", "int_mathfunc",
-             "int_otherfunc", "bool_op", "select_op"]
-    pos = ["kPosNone", "kPosInnerSpatial", "kPosMiddleSpatial", "kPosOuterSpatial", "kPosInnerReduce",
-           "kPosMiddleReduce", "kPosOuterReduce", "kPosMixed"]
-    for kind in ("vec", "unroll", "parallel"):
-        names += [f"{kind}_num", f"{kind}_prod", f"{kind}_len"] + [f"{kind}_type.{p}" for p in pos]
-    names += ["is_gpu", "blockIdx_x_len", "blockIdx_y_len", "blockIdx_z_len", "threadIdx_x_len", "threadIdx_y_len",
-              "threadIdx_z_len", "vthread_len"]
-    for b in range(MAX_N_BUFS):
-        names += [f"B{b}.{x}" for x in ("acc_type.kRead", "acc_type.kWrite", "acc_type.kReadWrite", "bytes",
-                                        "unique_bytes", "lines", "unique_lines", "reuse_type.kLoopMultipleRead",
-                                        "reuse_type.kSerialMultipleReadWrite", "reuse_type.kNoReuse",
-                                        "reuse_dis_iter", "reuse_dis_bytes", "reuse_ct", "bytes_d_reuse_ct",
-                                        "unique_bytes_d_reuse_ct", "lines_d_reuse_ct", "unique_lines_d_reuse_ct",
-                                        "stride")]
-    names += [f"arith_intensity_curve_{i}" for i in range(CURVE_N)]
-    names += ["alloc_size", "alloc_prod", "alloc_outer_prod", "alloc_inner_prod", "outer_prod", "num_loops",
-              "auto_unroll_max_step"]
-    assert len(names) == N_FEATURES
-    return names

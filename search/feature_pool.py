@@ -22,9 +22,11 @@ import time
 import weakref
 import zlib
 from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
+from typing import Sequence
 
 import numpy as np
 
+from tensortune.schedule.program import Program
 from tensortune.schedule.state import State
 from tensortune.search.feature import FeatureExtractor
 from tensortune.search.memory import paused_gc
@@ -60,7 +62,7 @@ class Featurizer:
             ex = self.extractors[task.workload_key] = FeatureExtractor(task)
         return ex
 
-    def __call__(self, task: SearchTask, states: list) -> list[np.ndarray]:
+    def __call__(self, task: SearchTask, states: Sequence[Program]) -> list[np.ndarray]:
         """One [n_stores, 164] matrix per state."""
         ex = self.extractor(task)
         groups = list(ex.groups(states).items())
@@ -92,11 +94,12 @@ class Featurizer:
     def _submit(self, n: int, task: SearchTask, jobs: list) -> Future | None:
         for _ in range(2):
             try:
-                if self._executors[n] is None:
-                    self._executors[n] = ProcessPoolExecutor(
+                executor = self._executors[n]
+                if executor is None:
+                    executor = self._executors[n] = ProcessPoolExecutor(
                         1, mp_context=multiprocessing.get_context("spawn"), initializer=_watch_parent,
                         initargs=(os.getpid(),))
-                return self._executors[n].submit(_extract, task.workload_key, task.to_json(), jobs)
+                return executor.submit(_extract, task.workload_key, task.to_json(), jobs)
             except BrokenExecutor:                 # its process died since the last call: start afresh
                 self._drop(n)
             except (OSError, RuntimeError) as exc:  # cannot start processes here: do without them

@@ -16,6 +16,7 @@ from tensortune.schedule.stage import Split, Stage
 from tensortune.schedule.state import State
 from tensortune.search import utils
 from tensortune.search.annotation import AUTO_UNROLL_GPU, InvalidSample, change_compute_location, fill_tile_sizes
+from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import Sketch, has_cross_thread_reduction
 from tensortune.tasks import te
 from tensortune.tasks.arith import const_bounds
@@ -256,15 +257,17 @@ def _plausible_tiles(sketch: Sketch, steps: list, hw: HardwareParams) -> bool:
     return True
 
 
-def sample_gpu_state(sketch: Sketch, rng: random.Random, task: SearchTask, params: dict) -> State:
+def sample_gpu_state(sketch: Sketch, rng: random.Random, task: SearchTask,
+                     params: SearchParams | None = None) -> State:
     """One random complete GPU program from a sketch: tile sizes, compute locations, thread binding,
     auto-unroll; raises InvalidSample when the result breaks the target's limits."""
+    params = params or SearchParams()
     hw = task.hardware
-    steps = fill_tile_sizes(sketch, rng, params.get("max_innermost_split_factor", 64))
+    steps = fill_tile_sizes(sketch, rng, params.max_innermost_split_factor)
     if not _plausible_tiles(sketch, steps, hw):
         raise InvalidSample("tile sizes break the thread-binding limits")
     state = State.replay(sketch.state.dag, steps)
-    if not params.get("disable_change_compute_location", 0):
+    if not params.disable_change_compute_location:
         state = _change_compute_location_gpu(state, rng)
     state = init_thread_bind(state, hw)
     state = init_unroll(state, rng)

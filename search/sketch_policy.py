@@ -11,7 +11,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,33 +28,11 @@ from tensortune.search.mutation import (
     mutate_parallel,
     mutate_tile_size,
 )
+from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import Sketch, SketchContext, SketchRule, generate_sketches
 from tensortune.tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")
-
-
-@dataclass
-class SearchParams:
-    """TVM's defaults, plus the crossover rate (TVM never shipped crossover)."""
-    population: int = 2048
-    num_iters: int = 4
-    mutation_prob: float = 0.85
-    crossover_prob: float = 0.05
-    eps_greedy: float = 0.05
-    num_measures_per_round: int = 64
-    sample_init_population: int = 2048
-    sample_init_use_measured_ratio: float = 0.2
-    max_innermost_split_factor: int = 64
-    max_vectorize_size: int = 16
-    disable_change_compute_location: bool = False
-    cpu_multi_level_tiling_structure: str = "SSRSRS"
-    gpu_multi_level_tiling_structure: str = "SSSRRSRS"
-    mutation_weights: dict = field(default_factory=lambda: {
-        "tile_size": 0.90, "auto_unroll": 0.04, "compute_location": 0.05, "parallel": 0.01})
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -69,12 +47,13 @@ class RoundTiming:
 
 class SketchPolicy:
     def __init__(self, task: SearchTask, cost_model: CostModel | None = None, params: SearchParams | None = None,
-                 seed: int = 0, rules: list[SketchRule] | None = None, seeds: list[State] | None = None):
+                 seed: int = 0, rules: list[SketchRule] | None = None,
+                 initial_programs: list[State] | None = None):
         self.task = task
         self.model = cost_model or RandomModel(seed)
         self.params = params or SearchParams()
         self.rng = random.Random(seed)
-        self.ctx = SketchContext(task, self.params.as_dict())
+        self.ctx = SketchContext(task, self.params)
         self.sketches: list[Sketch] = generate_sketches(self.ctx, rules)
         if not self.sketches:
             raise ValueError(f"no sketch could be generated for {task}")
@@ -84,7 +63,7 @@ class SketchPolicy:
         self.best_cost = math.inf                              # ... and its seconds per run, as measured
         self.timing = RoundTiming()
         # programs to measure first (e.g. a runtime's default schedule), so tuning never ends worse
-        self.seeds = [Candidate.of(s) for s in seeds or []]
+        self.initial_programs = [Candidate.of(s) for s in initial_programs or []]
         self._scores: dict[StepsKey, float] = {}
         self._score_version: tuple | None = None
 
@@ -112,7 +91,7 @@ class SketchPolicy:
         return list(out.values())
 
     def _sample_fn(self):
-        p = self.params.as_dict()
+        p = self.params
         if self.is_gpu:
             from tensortune.search.gpu_annotation import sample_gpu_state
             return lambda sk: sample_gpu_state(sk, self.rng, self.task, p)
@@ -123,7 +102,7 @@ class SketchPolicy:
     def predict(self, cands: list[Candidate]) -> np.ndarray:
         """Predicted scores; a program scored earlier under the same model is not featurised again."""
         t0 = time.perf_counter()
-        version = (id(self.model), getattr(self.model, "version", 0), self.model.is_random)
+        version = (id(self.model), self.model.version, self.model.is_random)
         if self._score_version != version:
             self._scores, self._score_version = {}, version
         todo = list({c.key: c for c in cands if c.key not in self._scores}.values())
@@ -211,10 +190,10 @@ class SketchPolicy:
         randoms = [c for c in init if c.key not in self.measured]
         self.rng.shuffle(randoms)
         picked: dict[StepsKey, Candidate] = {}
-        for c in self.seeds:
+        for c in self.initial_programs:
             if c.key not in self.measured and len(picked) < n:
                 picked.setdefault(c.key, c)
-        self.seeds = []
+        self.initial_programs = []
         for c in best:
             if len(picked) >= n - n_random:
                 break

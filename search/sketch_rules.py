@@ -14,6 +14,7 @@ from typing import Callable
 from tensortune.schedule.state import State
 from tensortune.schedule.steps import RfactorStep, SplitStep
 from tensortune.search import utils
+from tensortune.search.params import SearchParams
 from tensortune.tasks.search_task import SearchTask
 
 
@@ -27,15 +28,15 @@ class Condition(Enum):
 class SketchContext:
     """What rules may look at besides the state: the task and the policy parameters."""
     task: SearchTask
-    params: dict = field(default_factory=dict)
+    params: SearchParams = field(default_factory=SearchParams)
 
     @property
     def is_gpu(self) -> bool:
         return self.task.target_kind == "cuda"
 
     def structure(self) -> str:
-        key = "gpu_multi_level_tiling_structure" if self.is_gpu else "cpu_multi_level_tiling_structure"
-        return self.params.get(key, "SSSRRSRS" if self.is_gpu else "SSRSRS")
+        p = self.params
+        return p.gpu_multi_level_tiling_structure if self.is_gpu else p.cpu_multi_level_tiling_structure
 
 
 class SketchRule:
@@ -187,7 +188,7 @@ class AddCacheReadPack(SketchRule):
     name = "add_cache_read_pack"
 
     def meet_condition(self, ctx, state, sid):
-        if ctx.is_gpu or ctx.params.get("disable_cpu_packing", 0):
+        if ctx.is_gpu or ctx.params.disable_cpu_packing:
             return Condition.PASS
         return Condition.PASS if utils.strided_operand_consumer(state, sid) is None else Condition.APPLY
 

@@ -26,7 +26,9 @@ def similarity_tag(task: SearchTask) -> str:
 
 # ------------------------------------------------------------------------------------ objectives
 
-def weighted_sum(weights: Sequence[float]) -> Callable[[Sequence[float]], float]:
+Objective = Callable[[Sequence[float]], float]      # the network cost to minimise, from each task's best
+
+def weighted_sum(weights: Sequence[float]) -> Objective:
     """f1: the weighted sum of task latencies (one network, or several summed)."""
     return lambda costs: float(sum(w * c for w, c in zip(weights, costs)))
 
@@ -53,7 +55,7 @@ OBJECTIVES = ("f1", "f2", "f3")
 
 
 def network_objective(name: str, network: str, weights: Sequence[float], *, latency_target_s: float | None = None,
-                      reference_s: float | None = None) -> Callable[[Sequence[float]], float]:
+                      reference_s: float | None = None) -> Objective:
     """Ansor's objectives for one network's tasks, by name: f1 (weighted sum of latencies), f2 (f1 but
     no gain below `latency_target_s`), f3 (geometric-mean speedup over `reference_s`, e.g. the latency
     of the runtime the tuned network must beat)."""
@@ -75,7 +77,7 @@ def network_objective(name: str, network: str, weights: Sequence[float], *, late
 class TaskScheduler:
     tasks: list[SearchTask]
     weights: list[float] | None = None
-    objective: Callable[[Sequence[float]], float] | None = None
+    objective: Objective | None = None
     strategy: str = "gradient"                # or "round-robin"
     alpha: float = 0.2
     beta: float = 2.0
@@ -115,6 +117,7 @@ class TaskScheduler:
     # ------------------------------------------------------------------ reporting
 
     def score(self, costs: Sequence[float] | None = None) -> float:
+        assert self.objective is not None         # __post_init__ sets the default
         return self.objective(list(self.best_costs if costs is None else costs))
 
     def record(self, i: int, costs: Sequence[float], exhausted: bool = False) -> None:
@@ -205,7 +208,7 @@ class TaskScheduler:
             i = self._rng.choice(alive)
             self.decisions.append((i, "tie"))
             return i
-        i = min(grads, key=grads.get)
+        i = min(grads, key=lambda k: grads[k])
         self.decisions.append((i, f"gradient {lo:.3g}"))
         return i
 

@@ -10,6 +10,7 @@ creation time).
 """
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import re
@@ -108,12 +109,12 @@ class ModelStore:
     def _path(self, target: str, version: str, suffix: str) -> str:
         return f"{self._folder(target)}/{version}{suffix}"
 
-    def _targets(self) -> list[str]:
+    def _targets(self) -> builtins.list[str]:
         folder = self.location.path(MODELS_DIR)
         names = {self.location.relative(i.path).split("/")[1] for i in list_files(self.location, folder)}
         return sorted(unquote(n) for n in names)
 
-    def _metas(self, target: str) -> list[dict[str, Any]]:
+    def _metas(self, target: str) -> builtins.list[dict[str, Any]]:
         metas = []
         for info in list_files(self.location, self._folder(target)):
             if not _META_NAME.match(info.base_name):

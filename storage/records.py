@@ -105,13 +105,13 @@ class RecordStore:
         # Listing the partition after every append would cost more than the append itself; looking
         # every auto_compact/8 appends lets at most ~auto_compact * (1 + writers/8) part files pile up.
         if self.auto_compact and (self._appends - 1) % max(1, self.auto_compact // 8) == 0:
-            self._compact_after_append(target, day.isoformat())
+            self._compact_after_append(target, day.isoformat(), self.auto_compact)
         return path
 
-    def _compact_after_append(self, target: str, day: str) -> None:
+    def _compact_after_append(self, target: str, day: str, threshold: int) -> None:
         # The batch is safely written: a failed merge must not turn the append into an error.
         try:
-            compact_partition(self.location, self._scanner, target, day, self.auto_compact,
+            compact_partition(self.location, self._scanner, target, day, threshold,
                               CompactionSettings(durable=self.durable))
         except Exception as exc:  # noqa: BLE001 - reported, and compact() shows it in full
             warnings.warn(f"record store {self.location.url}: merging small part files after an "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import builtins
 import inspect
 import math
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 # Bytes per element of every dtype the DSL knows (bool is stored as one byte).
 DTYPE_BYTES: dict[str, int] = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "int16": 2,
@@ -525,7 +525,10 @@ def _transform(node: Expr, fn: Callable[[Expr], Expr | None], memo: dict[int, Ex
     return memo[key]
 
 
-def substitute(e: Expr, mapping: dict[Var, Expr]) -> Expr:
+_V = TypeVar("_V", bound="Var")
+
+
+def substitute(e: Expr, mapping: Mapping[_V, Expr]) -> Expr:
     if not mapping:
         return e
     return transform(e, lambda n: mapping.get(n) if isinstance(n, Var) else None)

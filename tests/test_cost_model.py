@@ -18,7 +18,8 @@ from tensortune.codegen.target import make_task
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import XGB_PARAMS, RandomModel, XGBModel, pack_sum, pairwise_accuracy, recall_at_k
-from tensortune.search.feature import N_FEATURES, FeatureExtractor, FeatureTemplate, feature_names, state_numbers
+from tensortune.search.feature import FeatureExtractor, FeatureTemplate, state_numbers
+from tensortune.search.feature_layout import BUF, COLUMN, N_FEATURES, OFFSET, feature_names
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tensortune.tasks.workload_registry import make_dag
 
@@ -57,6 +58,15 @@ def test_feature_vectors_have_164_finite_entries_per_stage(measured):
     for c, f in zip(cands, feats):
         n_stages = sum(1 for s in c.state.stages if not s.is_placeholder and s.compute_at != "inline")
         assert f.shape == (n_stages, N_FEATURES) and np.isfinite(f).all()
+
+
+def test_the_layout_table_places_tvms_feature_groups():
+    """TVM's order and offsets: 16 op counts, 3 x 11 annotation fields, 8 GPU, 5 x 18 buffer, 10 curve, 7."""
+    names = feature_names()
+    assert OFFSET == {"ops": 0, "vec": 16, "unroll": 27, "parallel": 38, "gpu": 49, "buffers": 57, "curve": 147,
+                      "alloc": 157}
+    assert names[OFFSET["gpu"]] == "is_gpu" and names[OFFSET["buffers"] + BUF["stride"]] == "B0.stride"
+    assert names[OFFSET["alloc"] + COLUMN["alloc"]["auto_unroll_max_step"]] == names[-1] == "auto_unroll_max_step"
 
 
 def test_templates_generalise_across_tile_sizes(measured):

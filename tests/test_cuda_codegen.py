@@ -16,6 +16,7 @@ from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search.annotation import InvalidSample
 from tensortune.search.gpu_annotation import check_gpu_limits, sample_gpu_state
+from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import SketchContext, generate_sketches
 from tensortune.tasks.search_task import SearchTask
 from tensortune.tasks.workload_registry import make_dag
@@ -38,7 +39,7 @@ def gpu_programs(key: str, n: int = 2, seed: int = 0) -> tuple[State, ...]:
     out: list[State] = []
     for i in range(4000):
         try:
-            out.append(sample_gpu_state(sketches[(len(out) + i) % len(sketches)], rng, task, {}))
+            out.append(sample_gpu_state(sketches[(len(out) + i) % len(sketches)], rng, task))
         except (InvalidSample, IllegalStep):
             continue
         if len(out) == n:
@@ -133,7 +134,7 @@ def test_cross_thread_reduction_becomes_a_block_allreduce():
     cross = [s for s in sketches if any(it.annotation == "threadIdx.x" and it.kind == "reduce"
                                         for st in s.state.stages for it in st.iters)]
     assert cross, "the norm task should get a cross-thread-reduction sketch"
-    state = sample_gpu_state(cross[0], random.Random(0), task, {})
+    state = sample_gpu_state(cross[0], random.Random(0), task)
     src = generate(state).source
     assert "__shfl_down_sync" in src
 
@@ -151,7 +152,7 @@ def test_build_returns_a_cubin_with_its_launch_plan():
 def test_multi_stage_programs_split_into_kernels_with_global_temporaries():
     task = make_task(make_dag("softmax", 4, 100), TARGET)
     naive = [s for s in generate_sketches(SketchContext(task)) if len(s.state.steps) == 1][0]
-    state = sample_gpu_state(naive, random.Random(0), task, {"disable_change_compute_location": 1})
+    state = sample_gpu_state(naive, random.Random(0), task, SearchParams(disable_change_compute_location=True))
     mod = generate(state)
     assert len(mod.kernels) == 3
     assert {t[0] for t in mod.temps} == {"T_softmax_maxelem", "T_softmax_expsum"}
@@ -178,7 +179,8 @@ def test_gpu_features_match_the_launch_configuration():
     import math
 
     from tensortune.codegen.cuda_backend import generate
-    from tensortune.search.feature import FeatureExtractor, feature_names
+    from tensortune.search.feature import FeatureExtractor
+    from tensortune.search.feature_layout import feature_names
     from tensortune.search.sketch_policy import SketchPolicy
     names = feature_names()
     task = make_task(make_dag("matmul", 256, 256, 256), TARGET)

@@ -15,7 +15,8 @@ import pytest
 
 from tensortune.codegen.target import make_task
 from tensortune.schedule.state import State
-from tensortune.search.feature import _ONEHOT, MAX_N_BUFS, FeatureExtractor, feature_names
+from tensortune.search.feature import _ONEHOT, FeatureExtractor
+from tensortune.search.feature_layout import MAX_N_BUFS, feature_names
 from tensortune.tasks import te
 from tensortune.tasks.compute_dag import ComputeDAG
 from tensortune.tasks.workload_registry import make_dag

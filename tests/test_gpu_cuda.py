@@ -87,7 +87,7 @@ def _matmul_state(n: int = 128) -> State:
     rng = random.Random(0)
     while True:
         try:
-            return sample_gpu_state(sketches[0], rng, task, {})
+            return sample_gpu_state(sketches[0], rng, task)
         except Exception:  # noqa: BLE001 - rejected samples: draw again
             continue
 

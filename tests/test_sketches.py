@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from tensortune.codegen.target import make_task
 from tensortune.schedule.steps import CacheWriteStep, ComputeAtStep, ComputeInlineStep, RfactorStep, SplitStep
+from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import Condition, CustomRule, SketchContext, generate_sketches, register_sketch_rule
 from tensortune.tasks.workload_registry import make_dag
 
@@ -79,6 +80,12 @@ def test_cpu_packs_the_operand_the_reduction_walks_across_rows():
     # NHWC conv reads kernel[ry, rx, rc, ff] along ff, the output's innermost axis
     _, sk = _sketches("conv2d", 1, 14, 14, 64, 64, 3, 3, 1, 1, 1, "NHWC")
     assert sum("kernel.local" in [x.name for x in s.state.stages] for s in sk) == 3
+
+
+def test_cpu_packing_can_be_switched_off():
+    task, packed = _sketches("matmul", 512, 512, 512)
+    plain = generate_sketches(SketchContext(task, SearchParams(disable_cpu_packing=True)))
+    assert [_codes(s) for s in plain] == [_codes(s) for s in _unpacked(packed)] and len(plain) == 3
 
 
 def test_norm_gets_rfactor_sketches():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tensortune.flows.prefect_server import PrefectServer, api_healthy
-from tensortune.flows.tuning import default_seeds, network_tasks
+from tensortune.flows.tuning import default_programs, network_tasks
 from tensortune.storage.records import RecordStore
 from tests.test_flow_tune import read_back
 
@@ -104,7 +104,7 @@ def test_the_output_matches_the_records_it_wrote(run):
 
     # the estimates: the weighted sum of the best records, and of the runtime's default schedules,
     # which every task measured first, so tuning never ends slower than the defaults
-    default = {t.workload_key: default_seeds(t)[0].steps_json() for t in tasks}
+    default = {t.workload_key: default_programs(t)[0].steps_json() for t in tasks}
     default_s = sum(t.weight * ok[(ok["workload_key"] == t.workload_key)
                                   & (ok["steps"] == default[t.workload_key])]["mean_latency"].item() for t in tasks)
     after_s = sum(t.weight * best[t.workload_key] for t in tasks)
