@@ -10,15 +10,22 @@ has imported its job function, and a job sent before that is timed from then. (S
 numpy and llvmlite, took seconds on a loaded 2-core machine; counted against the job, it turned a
 good program sent to a replacement worker into a timeout record, and a measured program is never
 measured again.) A worker that does not start within `startup_timeout` fails its job.
+
+A worker's stderr goes to a file of its own, not the terminal: what a crashing kernel leaves there
+(faulthandler's dump of the fatal signal) becomes part of that job's error, so it lands in the job's record
+and the log instead of interleaving with a command's output. Workers ignore SIGINT: Ctrl-C is the
+parent's to handle, and it closes the pool (a worker whose parent is gone exits at the end of its pipe).
 """
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -39,6 +46,7 @@ def _child_main() -> None:
     """Entry point of a worker interpreter: argv = [fd, job_path]."""
     import faulthandler
     faulthandler.enable()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_main(Connection(int(sys.argv[1])), sys.argv[2])
 
 
@@ -65,13 +73,18 @@ def _worker_main(conn: Connection, job_path: str) -> None:
             return
 
 
+log = logging.getLogger(__name__)
+STDERR_TAIL_BYTES = 4000       # of a dead worker's stderr, kept in its job's error
+
+
 class _Worker:
     def __init__(self, job_path: str, env: dict):
         parent, child = socket.socketpair()
+        self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from tensortune.codegen.worker_pool import _child_main; _child_main()",
              str(child.fileno()), job_path],
-            pass_fds=[child.fileno()], env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+            pass_fds=[child.fileno()], env={**os.environ, **env}, stdin=subprocess.DEVNULL, stderr=self.stderr)
         child.close()
         self.conn = Connection(parent.detach())
         self.job: int | None = None
@@ -82,6 +95,15 @@ class _Worker:
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def stderr_tail(self) -> str:
+        """The end of what the worker wrote to stderr (a fatal signal's traceback, for one)."""
+        try:
+            size = self.stderr.seek(0, os.SEEK_END)
+            self.stderr.seek(max(0, size - STDERR_TAIL_BYTES))
+            return self.stderr.read().decode(errors="replace").strip()
+        except (OSError, ValueError):
+            return ""
 
     def kill(self) -> None:
         if self.alive:
@@ -94,6 +116,7 @@ class _Worker:
         except subprocess.TimeoutExpired:
             pass
         self.conn.close()
+        self.stderr.close()
 
 
 class WorkerPool:
@@ -163,7 +186,10 @@ class WorkerPool:
                     except subprocess.TimeoutExpired:
                         code = None
                     how = f"signal {-code} ({signal.Signals(-code).name})" if code and code < 0 else f"exit {code}"
-                    results[w.job] = JobResult(False, None, f"worker process died ({how}) while running this job",
+                    dump = w.stderr_tail()
+                    log.info("worker process %s died (%s); its stderr:\n%s", w.proc.pid, how, dump or "(empty)")
+                    results[w.job] = JobResult(False, None, f"worker process died ({how}) while running this job"
+                                               + (f"; its stderr:\n{dump}" if dump else ""),
                                                "crash", time.perf_counter() - w.started)
                     busy.remove(w)
                     self._replace(w)

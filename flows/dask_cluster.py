@@ -9,6 +9,8 @@ nvcc, so they go only to workers advertising `nvcc=N` (N builds at once; GPU ima
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -95,7 +97,7 @@ def dask_client(address: str | None = None, *, n_workers: int = 1, threads_per_w
             client.close()
         return
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, n_workers))
-    with dask.config.set(WORKER_CONFIG):     # the nannies hand this config to their workers
+    with dask.config.set(WORKER_CONFIG), _children_ignore_ctrl_c():   # the nannies hand this config on
         cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads, processes=processes,
                                resources=resources or local_resources(), dashboard_address=None,
                                host="127.0.0.1")
@@ -105,6 +107,22 @@ def dask_client(address: str | None = None, *, n_workers: int = 1, threads_per_w
     finally:
         client.close()
         cluster.close()
+
+
+@contextmanager
+def _children_ignore_ctrl_c() -> Iterator[None]:
+    """Processes started inside ignore SIGINT for good (an interpreter started with SIGINT ignored never
+    installs its KeyboardInterrupt handler). Ctrl-C reaches a terminal's whole process group; the local
+    cluster's worker processes then printed their own KeyboardInterrupt tracebacks while the flow, which
+    owns them, was already closing the cluster."""
+    if threading.current_thread() is not threading.main_thread():
+        yield                                 # only the main thread may change signal handlers
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def workers_with(client: Client, resource: str) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import datetime, timezone
 from typing import Annotated, Optional
 
 import typer
@@ -106,6 +107,7 @@ def tune(network: NetworkArg,
     console.print(f"Prefect API: {how} {server.api_url}" + (f" (pid {server.pid})" if server.pid else ""))
     search = {"population": population, "sample_init_population": population} if population else None
     state = None
+    started = datetime.now(timezone.utc)
     try:
         with temporary_settings({PREFECT_API_URL: server.api_url}):
             state = tune_network_flow(network=network, trials=trials, target=with_threads(target, threads),
@@ -117,8 +119,12 @@ def tune(network: NetworkArg,
                                       reference_ms=reference_ms, return_state=True)
         if state.is_completed():
             _print_summary(state.result())
+    except KeyboardInterrupt:
+        _interrupted(url, started)
     finally:
         _where(url, server, state.state_details.flow_run_id if state is not None else None, stop_server)
+    if state is None:
+        raise typer.Exit(130)                 # interrupted (after _where said where to look)
     if not state.is_completed():
         try:
             state.result()
@@ -127,6 +133,17 @@ def tune(network: NetworkArg,
         except Exception as err:  # noqa: BLE001 - the flow's own failure, shown in full in the UI
             fail(f"the flow run ended {state.type.value}: {type(err).__name__}: {err}")
         fail(f"the flow run ended {state.type.value}")
+
+
+def _interrupted(records: str, since: datetime) -> None:
+    """Ctrl-C: one line saying what the run stored (each measured batch is appended before the next one)."""
+    from tensortune.storage.records import RecordStore
+    try:
+        n = len(RecordStore(records, auto_compact=None).read(since=since, columns=["record_id"]))
+        what = f"{n} measurements of this run are stored in {records}; the next run goes on from them"
+    except (OSError, ValueError) as err:
+        what = f"the records could not be counted ({err})"
+    Console(stderr=True).print(f"interrupted: {what}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _where(records: str, server, run_id, stop: bool) -> None:

@@ -56,6 +56,19 @@ def parse_args(text: str) -> tuple[list, dict]:
     return pos, kw
 
 
+def interrupted(store, run_id: str) -> None:
+    """Ctrl-C: one line saying what the run stored (every finished round is appended before the next one
+    starts), then exit 130, the shell's code for an interrupt."""
+    if store is None:
+        line = "interrupted; nothing was stored (--records '')"
+    else:
+        n = len(store.read(flow_run_id=run_id, columns=["record_id"]))
+        line = (f"interrupted: {n} measurements of run {run_id} are stored in {store.root}; run the command "
+                "again to go on from them")
+    Console(stderr=True).print(line, markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(130)
+
+
 def cli_run_id(command: str) -> str:
     """The run id of a command-line run (the records' flow_run_id: a flow's runs have Prefect's): the
     command and its UTC start, readable in `tensortune history`, plus a random part, so two runs made the
@@ -101,16 +114,19 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
                TextColumn("best {task.fields[best]:.1f} GFLOP/s"), TextColumn("{task.fields[model]}"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     start = time.time()
-    with Progress(*columns, console=console) as bar:
-        pid = bar.add_task("tune", total=trials, round=0, best=0.0, model="model: warming up")
+    try:
+        with Progress(*columns, console=console) as bar:
+            pid = bar.add_task("tune", total=trials, round=0, best=0.0, model="model: warming up")
 
-        def progress(log, result) -> None:
-            model = (f"model: pair-acc {log.model_accuracy:.2f} recall@10 {log.model_recall:.2f}"
-                     if log.model_accuracy == log.model_accuracy else "model: warming up")
-            bar.update(pid, completed=log.trials, round=log.round, best=log.best_gflops, model=model)
+            def progress(log, result) -> None:
+                model = (f"model: pair-acc {log.model_accuracy:.2f} recall@10 {log.model_recall:.2f}"
+                         if log.model_accuracy == log.model_accuracy else "model: warming up")
+                bar.update(pid, completed=log.trials, round=log.round, best=log.best_gflops, model=model)
 
-        result = tune_task(task, trials, model=model, params=SearchParams(num_measures_per_round=per_round),
-                           records=store, seed=seed, flow_run_id=run_id, progress=progress)
+            result = tune_task(task, trials, model=model, params=SearchParams(num_measures_per_round=per_round),
+                               records=store, seed=seed, flow_run_id=run_id, progress=progress)
+    except KeyboardInterrupt:
+        interrupted(store, run_id)
     if result.best_steps is None:
         fail(f"no program ran successfully in {result.trials} trials (see the error records in {records or 'the log'})")
     state = State.from_json(task.dag, result.best_steps)

@@ -11,3 +11,9 @@ time.sleep(float(os.environ.get("SLOW_START_S", "0")))
 def nap(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
+
+
+def crash(_: object) -> None:
+    """Die of SIGSEGV, as a kernel that writes through a null pointer does."""
+    import ctypes
+    ctypes.string_at(0)

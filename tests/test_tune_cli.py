@@ -85,3 +85,37 @@ def test_version_is_the_installed_package_version():
     from importlib import metadata
     out = CliRunner().invoke(app, ["--version"])
     assert out.exit_code == 0 and out.output.strip() == f"tensortune {metadata.version('tensortune')}"
+
+
+def test_ctrl_c_ends_tune_op_with_one_line_saying_what_was_stored(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: exit 130, one line with
+    the number of this run's stored measurements, no traceback from the command or its workers."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    records = tmp_path / "records"
+    script = Path(sys.executable).with_name("tensortune")
+    command = [str(script)] if script.exists() else [sys.executable, "-c",
+                                                      "from tensortune.flows.cli import main; main()"]
+    proc = subprocess.Popen([*command, "tune-op", "matmul", "--args", "64,64,64", "--trials", "100000",
+                             "--per-round", "8", "--records", str(records)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not list(records.rglob("*.parquet")):
+            time.sleep(0.5)                                  # a round is stored: interrupt the next one
+        assert list(records.rglob("*.parquet")), "no round was stored in time"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted: "), err
+    stored = RecordStore(str(records)).read()
+    assert f"interrupted: {len(stored)} measurements of run {stored['flow_run_id'].iloc[0]} " in lines[0]
+    assert len(stored) % 8 == 0 and "Traceback" not in out + err and "KeyboardInterrupt" not in out + err

@@ -168,3 +168,31 @@ def test_the_readme_history_recipes_answer_per_shape(run):
         key = next(t.workload_key for t in tasks if t.label == shape)
         assert gflops == pytest.approx(ok[(ok["workload_key"] == key) & (ok["flow_run_id"] == run_id)]["gflops"].max())
     assert scope["errors"].sum() == len(frame)
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_flow_with_one_line_and_no_worker_traceback(tmp_path):
+    """Ctrl-C to the command's process group mid-flow: exit 130, one `interrupted:` line counting this
+    run's stored measurements, and no KeyboardInterrupt traceback from the local cluster's workers."""
+    import signal
+    import time
+    records, port = tmp_path / "records", _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    proc = subprocess.Popen([*COMMAND, "tune", "resnet-18", "--image-size", "32", "--trials", "400", "--records",
+                             str(records), "--port", str(port), "--stop-server"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not list(records.rglob("*.parquet")):
+            time.sleep(0.5)
+        assert list(records.rglob("*.parquet")), "no round was stored in time"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, (out + err)[-3000:]
+    stored = len(RecordStore(str(records)).read())
+    assert f"interrupted: {stored} measurements of this run are stored in {records}" in err
+    assert "KeyboardInterrupt" not in out + err and "Traceback" not in out + err

@@ -32,3 +32,28 @@ def test_a_worker_that_never_starts_fails_its_job_and_is_replaced():
         (res,) = pool.map([0.0])
         assert res.kind == "timeout" and "did not start within 1.0 s" in res.error
         assert pool.restarts == 1 and pool.pids() != pid
+
+
+def test_a_crash_dump_goes_into_the_jobs_error_not_the_terminal(capfd):
+    """What a dying worker writes (faulthandler's dump) is the job's error; the parent's stderr stays clean."""
+    with WorkerPool("tests.slow_start_job:crash", 1, timeout=30.0) as pool:
+        (res,) = pool.map([None])
+    assert res.kind == "crash" and "signal 11 (SIGSEGV)" in res.error
+    assert "Fatal Python error: Segmentation fault" in res.error and "in crash" in res.error
+    out, err = capfd.readouterr()
+    assert "Segmentation fault" not in out + err
+
+
+def test_workers_leave_ctrl_c_to_their_parent():
+    """SIGINT (Ctrl-C reaches the whole process group) does not kill a worker or print its traceback."""
+    import os
+    import signal
+    import time
+    with WorkerPool("tests.slow_start_job:nap", 1, timeout=30.0) as pool:
+        (pid,) = pool.pids()
+        assert pool.map([0.0])[0].ok                   # started: its handler is installed
+        os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        (res,) = pool.map([0.0])
+        assert res.ok and pool.pids() == [pid] and pool.restarts == 0
+        assert "KeyboardInterrupt" not in pool._workers[0].stderr_tail()
