@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 from uuid import UUID
 
 from prefect.artifacts import (
@@ -66,9 +66,14 @@ def estimate(weights: Sequence[int], latencies: Sequence[float]) -> float:
     return float(sum(w * c for w, c in zip(weights, latencies)))
 
 
+def _id(created: Any) -> UUID:
+    """The id Prefect's create_*_artifact returns (typed as maybe a coroutine: called from sync code, it is not)."""
+    return cast(UUID, created)
+
+
 def create_progress(network: str, target: str, total: int) -> UUID:
-    return create_progress_artifact(0.0, key=artifact_key(network, target, "progress"),
-                                    description=f"Tuning {network_label(network)} on {target}: 0/{total} trials")
+    return _id(create_progress_artifact(0.0, key=artifact_key(network, target, "progress"),
+                                        description=f"Tuning {network_label(network)} on {target}: 0/{total} trials"))
 
 
 def update_progress(artifact_id: UUID, done: int, total: int, text: str) -> None:
@@ -76,8 +81,8 @@ def update_progress(artifact_id: UUID, done: int, total: int, text: str) -> None
 
 
 def publish_task_table(network: str, target: str, rows: Sequence[TaskRow]) -> UUID:
-    return create_table_artifact([r.as_dict() for r in rows], key=artifact_key(network, target, "tasks"),
-                                 description=f"Best program per task of {network_label(network)} on {target}")
+    return _id(create_table_artifact([r.as_dict() for r in rows], key=artifact_key(network, target, "tasks"),
+                                     description=f"Best program per task of {network_label(network)} on {target}"))
 
 
 def publish_estimate(network: str, target: str, rows: Sequence[TaskRow], before: Sequence[float],
@@ -102,8 +107,8 @@ def publish_estimate(network: str, target: str, rows: Sequence[TaskRow], before:
              f"| start of this run (stored best) | {ms(start)} | {speedup(start)} |",
              f"| **after this run** | **{ms(after)}** | |", "",
              f"Records: `{records_url}`; cost model: `{model_version or 'random (not trained yet)'}`."]
-    return create_markdown_artifact("\n".join(lines), key=artifact_key(network, target, "estimate"),
-                                    description=f"{name} on {target}: estimated latency before and after")
+    return _id(create_markdown_artifact("\n".join(lines), key=artifact_key(network, target, "estimate"),
+                                        description=f"{name} on {target}: estimated latency before and after"))
 
 
 def publish_network_timing(network: str, target: str, timing: TunedNetworkTiming) -> UUID:
@@ -129,5 +134,5 @@ def publish_network_timing(network: str, target: str, timing: TunedNetworkTiming
               "|---|---|---|---|---|"]
     lines += [f"| {t.name} | {t.weight} | {ms(t.weight * t.estimate_s)} | {ms(t.measured_s)} | {t.source} |"
               for t in timing.tasks]
-    return create_markdown_artifact("\n".join(lines), key=artifact_key(network, target, "network"),
-                                    description=f"{name} on {target}: estimated and measured latency")
+    return _id(create_markdown_artifact("\n".join(lines), key=artifact_key(network, target, "network"),
+                                        description=f"{name} on {target}: estimated and measured latency"))

@@ -11,6 +11,7 @@ from dataclasses import replace as dc_replace
 
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
+from tensortune.schedule.steps import SplitStep
 from tensortune.search import utils
 from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import Sketch
@@ -28,6 +29,7 @@ def fill_tile_sizes(sketch: Sketch, rng: random.Random, max_innermost: int) -> l
     steps = list(sketch.state.steps)
     for i in sketch.tunable:
         st = steps[i]
+        assert isinstance(st, SplitStep)
         schemes = utils.factorization_schemes(st.extent, len(st.lengths), max_innermost)
         steps[i] = dc_replace(st, lengths=rng.choice(schemes))
     return steps
@@ -78,7 +80,7 @@ def _annotate_parallel(s: State, sid: int, offset: int, num_cores: int) -> State
         if it.kind == "reduce" or it.annotation != "none":
             break
         to_fuse.append(i)
-        degree *= it.extent
+        degree *= it.known_extent
         if degree > num_cores * 16 or utils.has_attached(s, sid, i):
             break
         i += 1
@@ -124,7 +126,7 @@ def annotate_vectorization(state: State, rng: random.Random, max_vectorize: int)
                 break
             if tiled and num != 0:
                 break
-            prod *= it.extent
+            prod *= it.known_extent
             if prod > max_vectorize:
                 break
             num += 1

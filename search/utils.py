@@ -36,8 +36,8 @@ def is_tiled(stage: Stage) -> bool:
 def attached_stages(state: State, sid: int, iter_id: int) -> list[int]:
     """Stage ids computed at iterator `iter_id` of stage `sid`."""
     name, var = state.stages[sid].name, state.stages[sid].iters[iter_id].var
-    return [i for i, s in enumerate(state.stages) if s.compute_at == "iter" and s.attach[0] == name
-            and s.attach[1] is var]
+    return [i for i, s in enumerate(state.stages) if s.compute_at == "iter" and s.attach is not None
+            and s.attach[0] == name and s.attach[1] is var]
 
 
 def has_attached(state: State, sid: int, iter_id: int) -> bool:
@@ -46,7 +46,7 @@ def has_attached(state: State, sid: int, iter_id: int) -> bool:
 
 def attach_target(state: State, sid: int) -> tuple[int, int] | None:
     st = state.stages[sid]
-    if st.compute_at != "iter":
+    if st.compute_at != "iter" or st.attach is None:
         return None
     tid = state.stage_id(st.attach[0])
     return tid, state.stages[tid].iter_index(st.attach[1])
@@ -94,9 +94,9 @@ def space_reduce_lengths(stage: Stage) -> tuple[int, int]:
     space = reduce = 1
     for it in stage.iters:
         if it.kind == "spatial":
-            space *= it.extent
+            space *= it.known_extent
         else:
-            reduce *= it.extent
+            reduce *= it.known_extent
     return space, reduce
 
 
@@ -276,8 +276,9 @@ def compute_location_candidates(state: State, sid: int) -> list[tuple[int, int]]
         out.append((target, i))
         if has_attached(state, target, i):
             break
-    if target_attached:
-        tt, _ = attach_target(state, target)
+    at = attach_target(state, target)
+    if target_attached and at is not None:
+        tt = at[0]
         for i, it in enumerate(state.stages[tt].iters):
             if it.kind == "reduce" or has_attached(state, tt, i) or it.annotation == "unroll":
                 break
@@ -321,7 +322,7 @@ def _parallel_loops(state: State, sid: int) -> int:
 
 @lru_cache(maxsize=None)
 def factors(n: int) -> tuple[int, ...]:
-    out = set()
+    out: set[int] = set()
     for i in range(1, math.isqrt(n) + 1):
         if n % i == 0:
             out.update((i, n // i))

@@ -370,7 +370,7 @@ _erf = np.frompyfunc(math.erf, 1, 1)
 
 
 def erf(x: np.ndarray) -> np.ndarray:
-    return _erf(np.asarray(x, dtype=np.float64)).astype(np.float64)
+    return np.asarray(_erf(np.asarray(x, dtype=np.float64)), dtype=np.float64)
 
 
 def _run_clip(xs: list[np.ndarray], a: dict) -> np.ndarray:
@@ -508,10 +508,10 @@ def _register_all() -> None:
         register_op(name, "anchor", (1, 1), {"axes": REQUIRED, "keepdims": True}, _infer_reduce,
                     lambda xs, a, fn=fn: fn(xs[0], axis=a["axes"], keepdims=bool(a["keepdims"])))
     register_op("batch_norm", "elementwise", (5, 5), {"epsilon": 1e-5}, _infer_batch_norm, _run_batch_norm)
-    for name, fn in _BINARY.items():
-        register_op(name, "elementwise", (2, 2), {}, _infer_binary, lambda xs, a, fn=fn: fn(xs[0], xs[1]))
-    for name, fn in _UNARY.items():
-        register_op(name, "elementwise", (1, 1), {}, _infer_unary, lambda xs, a, fn=fn: fn(xs[0]))
+    for name, binary in _BINARY.items():
+        register_op(name, "elementwise", (2, 2), {}, _infer_binary, lambda xs, a, fn=binary: fn(xs[0], xs[1]))
+    for name, unary in _UNARY.items():
+        register_op(name, "elementwise", (1, 1), {}, _infer_unary, lambda xs, a, fn=unary: fn(xs[0]))
     register_op("clip", "elementwise", (1, 1), {"min": None, "max": None}, _infer_clip, _run_clip)
     register_op("reshape", "layout", (1, 1), {"shape": REQUIRED}, _infer_reshape,
                 lambda xs, a: xs[0].reshape(a["shape"]))

@@ -24,6 +24,7 @@ def broadcast_binary(a: Tensor | float, b: Tensor | float, fn: Callable, name: s
     if not isinstance(a, Tensor) and not isinstance(b, Tensor):
         raise ValueError(f"{name}: at least one operand must be a tensor")
     if not isinstance(b, Tensor):
+        assert isinstance(a, Tensor)
         return te.compute(a.shape, lambda *i: fn(a[i], te.const(b, a.dtype)), name=name)
     if not isinstance(a, Tensor):
         return te.compute(b.shape, lambda *i: fn(te.const(a, b.dtype), b[i]), name=name)

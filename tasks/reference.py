@@ -6,7 +6,7 @@ is more accurate than any float32 kernel) and in chunks (so large convolutions f
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -17,16 +17,19 @@ from tensortune.tasks.te import Expr, Tensor
 _CHUNK_ELEMENTS = 1 << 22
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
-_UNARY = {
+_UNARY: dict[str, Callable[..., Any]] = {
     "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "abs": np.abs,
     "floor": np.floor, "ceil": np.ceil, "sin": np.sin, "cos": np.cos,
     "rsqrt": lambda x: 1.0 / np.sqrt(x), "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)), "erf": _erf,
 }
-_BINARY = {
+_BINARY: dict[str, Callable[..., Any]] = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "min": np.minimum,
     "max": np.maximum, "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
     "eq": np.equal, "ne": np.not_equal, "and": np.logical_and, "or": np.logical_or,
 }
+
+_REDUCERS: dict[str, Callable[..., Any]] = {"sum": np.sum, "max": np.max, "min": np.min}
+
 
 
 def _np_dtype(dtype: str):
@@ -85,7 +88,7 @@ def _einsum_terms(t: Tensor):
     axes = list(t.axes) + list(body.axes)
     if len(axes) > 52 or any(len(set(map(id, ld.indices))) != len(ld.indices) for ld in loads):
         return None
-    letter = {ax: chr(ord("a") + k) if k < 26 else chr(ord("A") + k - 26) for k, ax in enumerate(axes)}
+    letter: dict[Expr, str] = {ax: chr(ord("a") + k) if k < 26 else chr(ord("A") + k - 26) for k, ax in enumerate(axes)}
     if any(i not in letter for ld in loads for i in ld.indices):
         return None
     used = {i for ld in loads for i in ld.indices}
@@ -123,9 +126,10 @@ def _evaluate_compute(t: Tensor, values: dict) -> np.ndarray:
             full = tuple(hi - lo if d == chunk_axis else s for d, s in enumerate(t.shape)) + tuple(
                 a.extent for a in reduce_axes)
             src = np.broadcast_to(np.asarray(src, dtype=out.dtype), full)
-            red = {"sum": np.sum, "max": np.max, "min": np.min}[t.body.combiner]
+            red = _REDUCERS[t.body.combiner]
             out[sl] = red(src, axis=tuple(range(n_sp, n_sp + n_red)))
         else:
+            assert t.body is not None                # placeholders are inputs, never evaluated
             val = np.asarray(_eval(t.body, env, values))
             out[sl] = np.broadcast_to(val, out[sl].shape)
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import builtins
 import inspect
 import math
-from typing import Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 # Bytes per element of every dtype the DSL knows (bool is stored as one byte).
 DTYPE_BYTES: dict[str, int] = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "int16": 2,
@@ -38,6 +38,7 @@ class Expr:
     """Base of the expression tree. Operators build new nodes; nothing is ever mutated."""
 
     __slots__ = ("dtype",)
+    dtype: str
 
     def __add__(self, o): return binary("add", self, o)
     def __radd__(self, o): return binary("add", o, self)
@@ -531,7 +532,8 @@ _V = TypeVar("_V", bound="Var")
 def substitute(e: Expr, mapping: Mapping[_V, Expr]) -> Expr:
     if not mapping:
         return e
-    return transform(e, lambda n: mapping.get(n) if isinstance(n, Var) else None)
+    lookup: Mapping[Any, Expr] = mapping
+    return transform(e, lambda n: lookup.get(n) if isinstance(n, Var) else None)
 
 
 def free_vars(e: Expr) -> set[Var]:
