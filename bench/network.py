@@ -282,9 +282,8 @@ def in_network_breakdown(compiled, tasks) -> list[float]:
 
 
 def bench_network(name: str, args, torch, folder: str) -> dict:
-    from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
     from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, build_network
-    from tensortune.flows.tuning import network_tasks
+    from tensortune.flows.tuning import network_measurer, network_tasks
     from tensortune.tasks.onnx_import import import_onnx
     options = network_options(name, args)
     target = llvm_target(args.threads)
@@ -297,7 +296,7 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     feed = graph.random_inputs(args.seed)         # the same inputs for every side
     (input_name,) = feed
 
-    measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
+    measurer = network_measurer()                 # as tune_network and the flow time kernels
     strategies = ["gradient"] + ([] if args.no_round_robin else ["round-robin"])
     try:
         runs = tune(name, tasks, args.trials, strategies, args.seed, measurer,

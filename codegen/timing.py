@@ -45,6 +45,15 @@ class TimingConfig:
     slow_factor: float = 20.0         # one run this many times slower than the best seen: stop timing (0: off)
 
 
+# How network tuning times a kernel: each run with the CPU caches flushed first (TVM's
+# enable_cpu_cache_flush, which its network-tuning tutorials turn on). Inside a network a kernel's
+# weights come from memory (ResNet-18's 44 MiB of weights outlive any cache between two uses of one
+# layer), while a kernel timed warm, back to back, reads them from cache: warm timings made the network
+# estimate 18-24 % short of the measured network (docs/results/network_resnet18_1152.json) and steer the
+# search toward programs that only win warm. Single-operator tuning stays warm, as libraries are timed.
+NETWORK_TIMING = TimingConfig(number=3, repeat=1, flush_cache=True)
+
+
 def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[], None] | None = None,
               warm: bool = False, cutoff_s: float | None = None) -> list[float]:
     """TVM's time_evaluator: warm up, pick `number` so one repeat lasts >= min_repeat_ms, time `repeat`

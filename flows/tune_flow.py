@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
 
@@ -22,7 +23,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
 from tensortune.codegen.measure import Measurer
-from tensortune.codegen.timing import TimingConfig
+from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
 from tensortune.flows import artifacts
 from tensortune.flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, CPU_RESOURCE, dask_client, local_resources
 from tensortune.flows.dask_measure import DaskMeasurer
@@ -299,7 +300,9 @@ def _measurer(client, timing: dict | None) -> DaskMeasurer:
     options = dict(timing or {})
     build_timeout = float(options.pop("build_timeout", 15.0))
     run_timeout = float(options.pop("run_timeout", 10.0))
-    return DaskMeasurer(client, timing=TimingConfig(**options), build_timeout=build_timeout,
+    # network tuning times kernels as the network runs them: caches flushed (codegen.timing.NETWORK_TIMING)
+    timing_config = TimingConfig(**{**asdict(NETWORK_TIMING), **options})
+    return DaskMeasurer(client, timing=timing_config, build_timeout=build_timeout,
                         run_timeout=run_timeout)
 
 

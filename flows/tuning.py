@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tensortune.codegen.measure import Measurer, MeasureResult, ProgramMeasurer
+from tensortune.codegen.measure import LocalRunner, Measurer, MeasureResult, ProgramMeasurer
 from tensortune.codegen.target import make_task
+from tensortune.codegen.timing import NETWORK_TIMING
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
@@ -346,6 +347,12 @@ class NetworkTuner:
         return True
 
 
+def network_measurer() -> ProgramMeasurer:
+    """The local measurer network tuning uses: kernels timed as the network runs them, caches flushed
+    (codegen.timing.NETWORK_TIMING); the flow's Dask measurer uses the same configuration."""
+    return ProgramMeasurer(runner=LocalRunner(config=NETWORK_TIMING))
+
+
 def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measurer: Measurer | None = None,
                  model: str | CostModel = "xgb", params: SearchParams | None = None,
                  records: RecordStore | None = None, strategy: str = "gradient", objective: Objective | None = None,
@@ -362,7 +369,7 @@ def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measur
         net, tasks = network_tasks(network, target, **(network_options or {}))
         network_name = network_name or net.source.name
     own = measurer is None
-    measurer = measurer or ProgramMeasurer()
+    measurer = measurer or network_measurer()
     try:
         tuner = NetworkTuner(tasks, trials, measurer, model=model, params=params, records=records,
                              strategy=strategy, objective=objective, seed=seed, flow_run_id=flow_run_id,
