@@ -96,15 +96,17 @@ class DaskMeasurer:
     anyway, up to distributed.scheduler.allowed-failures times). round_timeout: seconds after which a
     batch's unfinished candidates become UNKNOWN_ERROR records (default: generous, from the per-candidate
     timeouts). resource_wait: seconds to wait for a worker with the measure resource (a restarting
-    worker) before failing with ClusterError.
+    worker) before failing with ClusterError. workers: the only workers that may time (the measure nodes
+    of the task's target, flows.measure_targets); empty: any worker with the resource.
     """
 
     def __init__(self, client: Client, *, timing: TimingConfig = TimingConfig(), build_timeout: float = 15.0,
                  run_timeout: float = 10.0, retries: int = 2, round_timeout: float | None = None,
-                 resource_wait: float = 30.0, keep_source: bool = False):
+                 resource_wait: float = 30.0, keep_source: bool = False, workers: Sequence[str] = ()):
         self.client, self.timing = client, timing
         self.build_timeout, self.run_timeout, self.retries = build_timeout, run_timeout, retries
         self.round_timeout, self.resource_wait, self.keep_source = round_timeout, resource_wait, keep_source
+        self.workers = tuple(workers)              # timings only on these (the target's measure nodes); () = any
         self.stats = DaskStats()
 
     def measure(self, task: SearchTask, steps_list: Sequence[str]) -> list[MeasureResult]:
@@ -147,6 +149,7 @@ class DaskMeasurer:
         def submit(i: int, attempt: int) -> Future:
             return self.client.submit(run_candidate, tj, builds[i], self.timing, self.run_timeout, pure=False,
                                       retries=self.retries, resources={resource: 1},
+                                      workers=list(self.workers) or None, allow_other_workers=False,
                                       key=f"run-{task.name}-{tag}-{i}" + (f"-again{attempt}" if attempt else ""))
         return submit
 

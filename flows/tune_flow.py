@@ -23,10 +23,12 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
 from tensortune.codegen.measure import Measurer
+from tensortune.codegen.target import parse_target
 from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
 from tensortune.flows import artifacts
 from tensortune.flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, CPU_RESOURCE, dask_client, local_resources
 from tensortune.flows.dask_measure import DaskMeasurer
+from tensortune.flows.measure_targets import MeasureTarget, measure_node_targets, resolve_measure_target
 from tensortune.flows.retrain import NewestModel, Trainer, load_newest, retrain
 from tensortune.flows.tuned_network import GAP_WARNING, TunedNetworkTiming, measure_tuned_network_job
 from tensortune.flows.tuning import NetworkTuner, Proposal
@@ -105,12 +107,12 @@ def extract_network_tasks(network: str, target: str, options: dict[str, Any]) ->
 
 @task(name="build-and-time-network", **_STEP)
 def build_and_time_network(client, net: NetworkTasks, network: str, target: str, records: str,
-                           repeat: int = 20) -> TunedNetworkTiming:
-    """The network as it will be deployed: built from the store's best records on a measure worker (the
-    resource keeps timings one at a time), checked against the NumPy reference, timed end to end."""
+                           repeat: int = 20, workers: tuple[str, ...] = ()) -> TunedNetworkTiming:
+    """The network as it will be deployed: built from the store's best records on a measure worker of the
+    target (the resource keeps timings one at a time), checked against the NumPy reference, timed end to end."""
     log = get_run_logger()
     future = client.submit(measure_tuned_network_job, net, records, target, repeat, pure=False,
-                           resources={CPU_RESOURCE: 1})
+                           resources={CPU_RESOURCE: 1}, workers=list(workers) or None, allow_other_workers=False)
     timing: TunedNetworkTiming = future.result()
     artifacts.publish_network_timing(network, target, timing)
     log.info(timing.line())
@@ -296,14 +298,26 @@ def _cluster_address(cluster: str | None) -> str | None:
     return Variable.get(CLUSTER_VARIABLE, default=None)
 
 
-def _measurer(client, timing: dict | None) -> DaskMeasurer:
+@task(name="measure-target", **_STEP)
+def measure_target(client, target: str) -> MeasureTarget:
+    """The target to tune for, from the measure workers (each reports its CPU and cores): a bare `llvm`
+    is theirs, not this process's (flows.measure_targets)."""
+    resolved = resolve_measure_target(target, measure_node_targets(client))
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    get_run_logger().info(f"Dask scheduler {client.scheduler.address}, {len(workers)} workers; tuning for "
+                          f"{parse_target(resolved.target)}, timed on "
+                          f"{', '.join(resolved.workers) or 'the workers with the resource'}")
+    return resolved
+
+
+def _measurer(client, timing: dict | None, workers: tuple[str, ...] = ()) -> DaskMeasurer:
     options = dict(timing or {})
     build_timeout = float(options.pop("build_timeout", 15.0))
     run_timeout = float(options.pop("run_timeout", 10.0))
     # network tuning times kernels as the network runs them: caches flushed (codegen.timing.NETWORK_TIMING)
     timing_config = TimingConfig(**{**asdict(NETWORK_TIMING), **options})
     return DaskMeasurer(client, timing=timing_config, build_timeout=build_timeout,
-                        run_timeout=run_timeout)
+                        run_timeout=run_timeout, workers=workers)
 
 
 def _run_name() -> str:
@@ -341,21 +355,22 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
     """
     options = {k: v for k, v in (("batch", batch), ("image_size", image_size), ("seq_len", seq_len),
                                  ("layers", layers), ("input_shapes", input_shapes)) if v is not None}
-    net, tasks = extract_network_tasks(network, target, options)
-    if not tasks:
-        raise ValueError(f"{network} has no tuning tasks")
     with dask_client(_cluster_address(cluster), n_workers=local_workers,
-                     resources=local_resources(tasks[0].target_kind)) as client:
-        get_run_logger().info(f"Dask scheduler {client.scheduler.address}, "
-                              f"{len(client.scheduler_info(n_workers=-1)['workers'])} workers")
+                     resources=local_resources(parse_target(target).kind)) as client:
+        where = measure_target(client, target)
+        net, tasks = extract_network_tasks(network, where.target, options)
+        if not tasks:
+            raise ValueError(f"{network} has no tuning tasks")
         summary = tune_tasks(tasks, network=network, trials=trials, records=records,
-                             measurer=_measurer(client, timing), per_round=per_round, retrain_every=retrain_every,
+                             measurer=_measurer(client, timing, where.workers), per_round=per_round,
+                             retrain_every=retrain_every,
                              model_warmup=model_warmup, strategy=strategy, seed=seed, search=search,
                              flow_run_id=_flow_run_id(), latency_target_ms=latency_target_ms,
                              early_stopping_task=early_stopping_task, objective=objective,
                              reference_ms=reference_ms)
         if time_network and tasks[0].target_kind == "llvm":
-            measured = build_and_time_network(client, net, network, tasks[0].target, records)
+            measured = build_and_time_network(client, net, network, tasks[0].target, records,
+                                              workers=where.workers)
             summary["network_timing"] = measured.as_dict()
             if not measured.passed:
                 raise RuntimeError(f"{network}: the network built from the records gives wrong outputs "
@@ -371,9 +386,11 @@ def tune_op_flow(workload: str, args: list[Any], trials: int = 64, target: str =
     """One operator (a registered workload with its arguments) tuned through the same rounds."""
     from tensortune.codegen.target import make_task
     from tensortune.tasks.workload_registry import make_dag
-    task_ = make_task(make_dag(workload, *args), target)
     with dask_client(_cluster_address(cluster), n_workers=local_workers,
-                     resources=local_resources(task_.target_kind)) as client:
+                     resources=local_resources(parse_target(target).kind)) as client:
+        where = measure_target(client, target)
+        task_ = make_task(make_dag(workload, *args), where.target)
         return tune_tasks([task_], network=workload, trials=trials, records=records,
-                          measurer=_measurer(client, timing), per_round=per_round, retrain_every=retrain_every,
+                          measurer=_measurer(client, timing, where.workers), per_round=per_round,
+                          retrain_every=retrain_every,
                           model_warmup=model_warmup, seed=seed, search=search, flow_run_id=_flow_run_id())
