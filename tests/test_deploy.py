@@ -40,6 +40,31 @@ def test_prefect_yaml_is_valid_and_its_entrypoints_and_parameters_load():
         assert d.work_pool.name == "tensortune"
 
 
+def test_every_deployment_queues_its_runs_and_pulls_the_checkout():
+    """Every deployment measures, so each allows one run at a time; the pull step puts the worker in the
+    checkout ($TENSORTUNE_HOME, set by the Docker image) where its flows/ entrypoint lives."""
+    raw = load("prefect.yaml")
+    assert all(d["concurrency_limit"] == 1 for d in raw["deployments"])
+    (step,) = raw["pull"]
+    assert step["prefect.deployments.steps.set_working_directory"]["directory"] == "{{ $TENSORTUNE_HOME }}"
+    assert "ENV TENSORTUNE_HOME=/app" in (DEPLOY / "Dockerfile").read_text()
+
+
+def test_the_failed_nightly_automation_is_valid():
+    """deploy/automations.yaml, with a notification block's id filled in as its header says, is an
+    automation Prefect accepts, triggered by a Failed or Crashed run tagged nightly."""
+    import uuid
+
+    from prefect.automations import AutomationCore
+    text = (DEPLOY / "automations.yaml").read_text().replace("${NOTIFY_BLOCK_ID}", str(uuid.uuid4()))
+    (spec,) = yaml.safe_load(text)["automations"]
+    automation = AutomationCore.model_validate(spec)
+    assert set(automation.trigger.expect) == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed"}
+    assert automation.actions[0].type == "send-notification"
+    (nightly,) = [d for d in load("prefect.yaml")["deployments"] if d["name"] == "nightly"]
+    assert "nightly" in nightly["tags"]                  # what the trigger's match_related names
+
+
 def test_nightly_cron_schedule_runs_every_night_at_two_utc():
     from prefect.server.schemas.schedules import CronSchedule
     (nightly,) = [d for d in load("prefect.yaml")["deployments"] if d["name"] == "nightly"]
