@@ -691,6 +691,7 @@ def _const_only(fn: Callable) -> Callable:
             raise imp.fail(f"{imp.node.op_type} on a run-time tensor is not supported (only on constants, "
                            f"e.g. in shape computations)")
         return contiguous(fn(imp, ins))
+    convert.constants_only = True  # type: ignore[attr-defined]
     return convert
 
 
@@ -728,3 +729,12 @@ CONVERTERS: dict[str, Callable[[_Importer], object]] = {
     "Where": _const_only(lambda imp, ins: np.where(ins[0], ins[1], ins[2])),
     "Expand": _const_only(lambda imp, ins: ins[0] * np.ones(tuple(int(v) for v in ins[1]), dtype=ins[0].dtype)),
 }
+
+
+def supported_ops_table() -> str:
+    """The README's table of supported ops, made from CONVERTERS (tests/test_onnx_docs.py keeps them equal)."""
+    runtime = sorted(op for op, fn in CONVERTERS.items() if not getattr(fn, "constants_only", False))
+    folded = sorted(op for op, fn in CONVERTERS.items() if getattr(fn, "constants_only", False))
+    header = "| on run-time tensors (computed by tuned kernels) | on constants only (folded at import) |"
+    return "\n".join([header, "|---|---|",
+                      f"| {', '.join(runtime)} | {', '.join(folded)} |"])
