@@ -54,6 +54,9 @@ class TimingConfig:
 NETWORK_TIMING = TimingConfig(number=3, repeat=1, flush_cache=True)
 
 
+MAX_NUMBER = 1_000_000          # runs in one repeat, at most
+
+
 def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[], None] | None = None,
               warm: bool = False, cutoff_s: float | None = None) -> list[float]:
     """TVM's time_evaluator: warm up, pick `number` so one repeat lasts >= min_repeat_ms, time `repeat`
@@ -86,7 +89,20 @@ def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[
         number = 1
         costs.append(once)          # a warm run that already fills a repeat: it is the first repeat
     else:
-        number = int(min(max(cfg.number, math.ceil(cfg.min_repeat_ms / 1e3 / once)), 1_000_000))
+        # `number` from one run, then checked: a first run slowed by the machine gives too small a
+        # number, and a repeat far shorter than min_repeat_ms (a timeout test saw 2 s asked and 0.4 ms
+        # run). A short repeat is run again with more, as bench.common.measure calibrates the other
+        # side of every comparison; the first repeat that lasts min_repeat_ms counts.
+        number = int(min(max(cfg.number, math.ceil(cfg.min_repeat_ms / 1e3 / once)), MAX_NUMBER))
+        while True:
+            t0 = time.perf_counter()
+            run_n(number)
+            secs = time.perf_counter() - t0
+            if secs * 1e3 >= cfg.min_repeat_ms or number >= MAX_NUMBER:
+                costs.append(secs / number)
+                break
+            number = int(min(MAX_NUMBER, max(number + 1,
+                                              math.ceil(number * 1.1 * cfg.min_repeat_ms / max(secs * 1e3, 1e-6)))))
     for _ in range(max(cfg.repeat, 1) - len(costs)):
         t0 = time.perf_counter()
         run_n(number)

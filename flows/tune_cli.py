@@ -93,7 +93,8 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
             trials: int = typer.Option(200, help="programs to measure"),
             target: str = typer.Option("llvm", help="llvm (this CPU) or 'cuda -arch=sm_90'"),
             records: str = typer.Option("./tuning-records", help="record store (folder or URL); '' for none"),
-            model: str = typer.Option("xgb", help="cost model: xgb or random"),
+            model: str = typer.Option("xgb", help="cost model: xgb (Ansor's regression), xgb-rank (pairwise "
+                                                   "ranking) or random"),
             per_round: int = typer.Option(64, help="measurements per round"),
             seed: int = typer.Option(0)) -> None:
     """Tune one operator and print the best program's schedule and loop nest."""

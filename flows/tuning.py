@@ -73,9 +73,11 @@ def make_model(kind: str | CostModel, seed: int = 0) -> CostModel:
         return kind
     if kind == "xgb":
         return XGBModel(seed=seed)
+    if kind == "xgb-rank":
+        return XGBModel(seed=seed, objective="rank")
     if kind == "random":
         return RandomModel(seed)
-    raise ValueError(f"unknown cost model {kind!r}; use 'xgb' or 'random'")
+    raise ValueError(f"unknown cost model {kind!r}; use 'xgb', 'xgb-rank' or 'random'")
 
 
 def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureResult], *, round_: int,

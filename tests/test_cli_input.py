@@ -36,7 +36,7 @@ MISTAKES = [
     (["tune-op", "matmul", "--trials", "-5"], 2, "--trials must be between 1 and"),
     (["tune-op", "matmul", "--trials", str(10 ** 12)], 2, "--trials must be between 1 and"),
     (["tune-op", "matmul", "--per-round", "0"], 2, "--per-round must be between 1 and"),
-    (["tune-op", "matmul", "--model", "foo", "--trials", "1"], 2, "unknown cost model 'foo'"),
+    (["tune-op", "matmul", "--model", "foo", "--trials", "1"], 2, "unknown cost model 'foo'; use xgb or xgb-rank"),
     (["tune-op", "matmul", "--records", "{file}", "--trials", "1"], 2, "is a file"),
     (["best", "--records", "{missing}"], 2, "no record store at"),
     (["best", "--records", "{file}"], 2, "is a file, not a record store"),
