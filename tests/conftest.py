@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,6 +36,21 @@ def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def ctrl_c_after_first_round(proc: subprocess.Popen, records: Path, wait_s: float) -> tuple[str, str]:
+    """Once `records` holds a stored round, send SIGINT to the command's process group (as a terminal's
+    Ctrl-C does; start it with start_new_session=True) and return its (stdout, stderr)."""
+    try:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not list(records.rglob("*.parquet")):
+            time.sleep(0.5)
+        assert list(records.rglob("*.parquet")), "no round was stored in time"
+        os.killpg(proc.pid, signal.SIGINT)
+        return proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def examples(n: int) -> int:

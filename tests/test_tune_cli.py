@@ -14,6 +14,7 @@ from tensortune.flows.tuning import apply_best
 from tensortune.storage.records import RecordStore
 from tensortune.tasks.reference import evaluate, mismatch
 from tensortune.tasks.workload_registry import make_dag
+from tests.conftest import ctrl_c_after_first_round
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +91,8 @@ def test_version_is_the_installed_package_version():
 def test_ctrl_c_ends_tune_op_with_one_line_saying_what_was_stored(tmp_path):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: exit 130, one line with
     the number of this run's stored measurements, no traceback from the command or its workers."""
-    import os
-    import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
     records = tmp_path / "records"
     script = Path(sys.executable).with_name("tensortune")
@@ -103,16 +101,7 @@ def test_ctrl_c_ends_tune_op_with_one_line_saying_what_was_stored(tmp_path):
     proc = subprocess.Popen([*command, "tune-op", "matmul", "--args", "64,64,64", "--trials", "100000",
                              "--per-round", "8", "--records", str(records)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not list(records.rglob("*.parquet")):
-            time.sleep(0.5)                                  # a round is stored: interrupt the next one
-        assert list(records.rglob("*.parquet")), "no round was stored in time"
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out, err = ctrl_c_after_first_round(proc, records, 180)
     assert proc.returncode == 130, out + err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("interrupted: "), err

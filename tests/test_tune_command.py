@@ -17,6 +17,7 @@ import pytest
 from tensortune.flows.prefect_server import PrefectServer, api_healthy
 from tensortune.flows.tuning import default_programs, network_tasks
 from tensortune.storage.records import RecordStore
+from tests.conftest import ctrl_c_after_first_round
 from tests.test_flow_tune import read_back
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,24 +175,13 @@ def test_the_readme_history_recipes_answer_per_shape(run):
 def test_ctrl_c_ends_the_flow_with_one_line_and_no_worker_traceback(tmp_path):
     """Ctrl-C to the command's process group mid-flow: exit 130, one `interrupted:` line counting this
     run's stored measurements, and no KeyboardInterrupt traceback from the local cluster's workers."""
-    import signal
-    import time
     records, port = tmp_path / "records", _free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     proc = subprocess.Popen([*COMMAND, "tune", "resnet-18", "--image-size", "32", "--trials", "400", "--records",
                              str(records), "--port", str(port), "--stop-server"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not list(records.rglob("*.parquet")):
-            time.sleep(0.5)
-        assert list(records.rglob("*.parquet")), "no round was stored in time"
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out, err = ctrl_c_after_first_round(proc, records, 300)
     assert proc.returncode == 130, (out + err)[-3000:]
     stored = len(RecordStore(str(records)).read())
     assert f"interrupted: {stored} measurements of this run are stored in {records}" in err
