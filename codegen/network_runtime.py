@@ -22,7 +22,7 @@ from tensortune.codegen.target import parse_target
 from tensortune.schedule.default_schedule import default_schedule
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
-from tensortune.tasks.extract import NetworkTasks
+from tensortune.tasks.extract import ExtractedTask, NetworkTasks
 from tensortune.tasks.graph import contiguous
 
 ALIGN = 64
@@ -232,6 +232,17 @@ class CompiledNetwork:
         return "\n".join(lines)
 
 
+def task_schedule(task: ExtractedTask, steps: str | list | None) -> tuple[State, str]:
+    """The state to build a task from and where it came from: its record's steps when they replay,
+    else the default schedule ("default", or "default (record failed: ...)")."""
+    if steps:
+        try:
+            return State.from_json(task.dag, steps), "record"
+        except (IllegalStep, LoweringError, KeyError, ValueError) as err:
+            return default_schedule(task.dag), f"default (record failed: {str(err)[:120]})"
+    return default_schedule(task.dag), "default"
+
+
 def build_network(net: NetworkTasks, records: Mapping[str, str | list | None] | None = None,
                   target: str = "llvm") -> CompiledNetwork:
     """Compile every task (from `records[workload_key]` steps where present, else the default schedule)
@@ -243,17 +254,7 @@ def build_network(net: NetworkTasks, records: Mapping[str, str | list | None] | 
     kernels = []
     for task in net.tasks:
         t0 = time.perf_counter()
-        steps = records.get(task.workload_key)
-        source = "default"
-        state = None
-        if steps:
-            try:
-                state = State.from_json(task.dag, steps)
-                source = "record"
-            except (IllegalStep, LoweringError, KeyError, ValueError) as err:
-                source = f"default (record failed: {str(err)[:120]})"
-        if state is None:
-            state = default_schedule(task.dag)
+        state, source = task_schedule(task, records.get(task.workload_key))
         try:
             artifact = build(state, t)
         except (LoweringError, IllegalStep, ValueError) as err:
