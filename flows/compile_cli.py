@@ -1,0 +1,112 @@
+"""`tensortune compile`: the tuned network as one shared library, its weights and a manifest."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tensortune.flows.cli_app import app
+from tensortune.flows.network_cli import (
+    BatchOption,
+    ImageSizeOption,
+    InputShapeOption,
+    LayersOption,
+    NetworkArg,
+    SeqLenOption,
+    TargetOption,
+    ThreadsOption,
+    _extract,
+    _fail,
+    _load,
+    with_threads,
+)
+
+
+def compile_tuned(net, store, target: str, out_dir: str, name: str | None = None):
+    """Build `net` from the store's best records on the tuned target (defaults without) into `out_dir`.
+    Returns (AOTResult, the target built for, estimated seconds per run or NaN, tasks without records)."""
+    from tensortune.codegen.aot import compile_network
+    from tensortune.flows.tuned_network import best_records, tuned_target
+    chosen = tuned_target(store, target, [t.workload_key for t in net.tasks])
+    steps, latency = best_records(store, chosen) if store is not None else ({}, {})
+    untuned = [t for t in net.tasks if t.workload_key not in latency]
+    estimate = math.fsum(t.weight * latency[t.workload_key] for t in net.tasks) if not untuned else math.nan
+    result = compile_network(net, steps, out_dir, chosen, name=name,
+                             extra={"estimated_latency_s": None if math.isnan(estimate) else estimate})
+    return result, chosen, estimate, untuned
+
+
+@app.command("compile")
+def compile_command(network: NetworkArg,
+                    output: Annotated[str, typer.Option("-o", "--output", help="Folder to write the library, "
+                                                        "weights and manifest.json into.")],
+                    records: Annotated[Optional[str], typer.Option(
+                        "--records", envvar="TENSORTUNE_RECORDS",
+                        help="Record store to take each task's best schedule from (default schedules without).")]
+                    = None,
+                    batch: BatchOption = None, seq_len: SeqLenOption = None, layers: LayersOption = None,
+                    image_size: ImageSizeOption = None, input_shape: InputShapeOption = None,
+                    target: TargetOption = "llvm", threads: ThreadsOption = None,
+                    check: Annotated[bool, typer.Option("--check/--no-check", help="Load the library and "
+                                                        "compare its outputs with the NumPy reference.")] = True,
+                    ) -> None:
+    """Build the network (each task from its best record, else the default schedule) into one shared
+    library that `tensortune.runtime.load` (numpy + ctypes) or any C program runs."""
+    from tensortune.codegen.aot import AOTError
+    from tensortune.codegen.target import TargetError, parse_target
+    from tensortune.storage.records import RecordStore
+    if records and "://" not in records and not os.path.isdir(records):
+        _fail(f"no record store at {records}")
+    if os.path.exists(output) and not os.path.isdir(output):
+        _fail(f"--output {output} exists and is not a folder")
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        _fail(f"no C compiler to link with ({os.environ.get('CC', 'cc')} not found; set CC)")
+    target = with_threads(target, threads)
+    try:
+        if parse_target(target).kind != "llvm":
+            _fail(f"compile builds CPU libraries only (an llvm target), got {target!r}")
+    except TargetError as err:
+        _fail(str(err))
+    graph = _load(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
+                  input_shapes=input_shape)
+    net = _extract(graph)
+    store = RecordStore(records, auto_compact=None) if records else None
+    console = Console(width=max(120, Console().width))
+    try:
+        result, chosen, estimate, untuned = compile_tuned(net, store, target, output)
+    except (AOTError, TargetError, OSError, ValueError) as err:
+        _fail(str(err))
+    table = Table(title=f"{graph.name}: {len(net.tasks)} tasks on {chosen}")
+    for header in ("#", "task", "weight", "schedule"):
+        table.add_column(header)
+    for k in result.kernels:
+        table.add_row(str(k.index), k.name, str(k.weight), k.schedule)
+    console.print(table)
+    tuned = sum(k.schedule == "record" for k in result.kernels)
+    console.print(f"{tuned}/{len(result.kernels)} tasks from records, {len(result.kernels) - tuned} on default "
+                  "schedules", soft_wrap=True)
+    if math.isfinite(estimate):
+        console.print(f"estimated latency: {estimate * 1e3:.3f} ms (sum of the records' latencies)")
+    else:
+        console.print(f"estimated latency: n/a ({len(untuned)} task(s) have no record)")
+    if check:
+        from tensortune.codegen.network_runtime import NETWORK_TOLERANCE
+        from tensortune.runtime import load
+        m = load(output)
+        inputs = net.source.random_inputs(0)
+        outs, refs = m.run(inputs), net.source.run_reference(inputs)
+        errors = {k: float(abs(outs[k].astype("float64") - ref).max() / max(float(abs(ref).max()), 1e-30))
+                  for k, ref in refs.items()}
+        ok = all(e <= NETWORK_TOLERANCE for e in errors.values())
+        console.print(f"check against the NumPy reference: {'OK' if ok else 'MISMATCH'} "
+                      f"({', '.join(f'{k}: {v:.2e}' for k, v in errors.items())})", soft_wrap=True)
+        if not ok:
+            raise typer.Exit(code=2)
+    console.print(f"wrote {len(result.files)} files in {result.seconds:.1f} s:", soft_wrap=True)
+    for f in result.files:
+        console.print(f"  {f} ({os.path.getsize(f):,} bytes)", soft_wrap=True, highlight=False)
