@@ -28,6 +28,7 @@ is a graph input or a constant, or an output listed twice, is copied (memcpy) at
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -215,7 +216,9 @@ def _table_functions(p: str, kind: str, infos: list[tuple[str, tuple[int, ...], 
 
 
 def driver_ir(net: NetworkTasks, pl: _Plan, p: str, kernel_names: list[str],
-              kernel_arity: list[int]) -> str:
+              kernel_arity: list[int], stub_kernels: bool = False) -> str:
+    """The driver and query functions; the kernels are declared (or, with `stub_kernels`, defined as
+    empty non-inlined functions behind a memory barrier, to measure the driver's own cost)."""
     graph = net.graph
     root = lambda v: net.aliases.get(v, v)  # noqa: E731
     ins = [(k, tuple(v.shape), v.dtype) for k, v in graph.inputs.items()]
@@ -225,7 +228,10 @@ def driver_ir(net: NetworkTasks, pl: _Plan, p: str, kernel_names: list[str],
              "declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)"]
     for k in sorted(set(kernel_names)):
         n = kernel_arity[kernel_names.index(k)]
-        lines.append(f"declare void @{k}({', '.join(['ptr'] * n)})")
+        params = ", ".join(["ptr"] * n)
+        lines.append(f"declare void @{k}({params})" if not stub_kernels else
+                     f'define void @{k}({params}) noinline {{\n  call void asm sideeffect "", "~{{memory}}"()\n'
+                     "  ret void\n}")
     lines += _table_functions(p, "input", ins) + _table_functions(p, "output", outs)
     const = lambda ty, name, v: f"define {ty} @{p}_{name}() {{\n  ret {ty} {v}\n}}"  # noqa: E731
     lines += [const("i32", "num_inputs", len(ins)), const("i32", "num_outputs", len(outs)),
@@ -285,6 +291,55 @@ def _kernel_ir(net: NetworkTasks, i: int, steps, target: Target, name: str) -> t
     return ir, info, len(func.args)
 
 
+def _link(obj: bytes, lib: str, cc: str | None = None) -> None:
+    """Link one object file into the shared library `lib` with the system C compiler (libgomp, libm)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        obj_path = os.path.join(tmp, "module.o")
+        with open(obj_path, "wb") as f:
+            f.write(obj)
+        cmd = [cc or os.environ.get("CC", "cc"), "-shared", "-o", lib + ".tmp", obj_path, "-lgomp", "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as err:
+            raise AOTError(f"cannot run the C compiler to link ({' '.join(cmd)}): {err}") from err
+        if done.returncode != 0:
+            raise AOTError(f"linking failed ({' '.join(cmd)}): {done.stderr.strip()[:2000]}")
+    os.replace(lib + ".tmp", lib)
+
+
+def dispatch_overhead(net: NetworkTasks, target: str | Target = "llvm", runs: int = 2000,
+                      cc: str | None = None) -> float:
+    """Seconds the driver spends per kernel call, measured on the network's own driver with every
+    kernel replaced by an empty, non-inlined function (a memory barrier keeps the calls): the time of
+    a run divided by its calls. The ctypes call of each run counts too, so this is an upper bound."""
+    t = parse_target(target)
+    p = c_name(net.source.name) + "_stub"
+    pl = plan(net)
+    names = [f"{p}_k{i}" for i in range(len(net.tasks))]
+    arity = [len(net.tasks[i].dag.inputs) + len(net.tasks[i].dag.outputs) for i in range(len(net.tasks))]
+    ir = driver_ir(net, pl, p, names, arity, stub_kernels=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = os.path.join(tmp, f"{p}.so")
+        _link(compile_module([ir], t), lib, cc)
+        so = ctypes.CDLL(lib)
+        weights = np.zeros(max(1, pl.weights_bytes), np.uint8)
+        so[f"{p}_set_weights"](ctypes.c_void_p(weights.ctypes.data), ctypes.c_int64(pl.weights_bytes))
+        run = so[f"{p}_run"]
+        run.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        graph = net.graph
+        arrays = [np.zeros(v.shape, v.dtype) for v in graph.inputs.values()]
+        outputs = [np.zeros(graph.values[k].shape, graph.values[k].dtype) for k in graph.outputs]
+        ins = (ctypes.c_void_p * max(1, len(arrays)))(*(a.ctypes.data for a in arrays))
+        outs = (ctypes.c_void_p * max(1, len(outputs)))(*(a.ctypes.data for a in outputs))
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(runs):
+                run(ins, outs)
+            best = min(best, (time.perf_counter() - t0) / runs)
+    return best / max(1, len(net.groups))
+
+
 def compile_network(net: NetworkTasks, records: Mapping[str, str | list | None] | None, out_dir: str,
                     target: str | Target = "llvm", name: str | None = None, cc: str | None = None,
                     extra: Mapping | None = None) -> AOTResult:
@@ -306,20 +361,8 @@ def compile_network(net: NetworkTasks, records: Mapping[str, str | list | None] 
         names.append(kname)
         arity.append(n)
     driver = driver_ir(net, pl, p, names, arity)
-    obj = compile_module([driver, *irs], t)
     lib = os.path.join(out_dir, f"{p}.so")
-    with tempfile.TemporaryDirectory() as tmp:
-        obj_path = os.path.join(tmp, f"{p}.o")
-        with open(obj_path, "wb") as f:
-            f.write(obj)
-        cmd = [cc or os.environ.get("CC", "cc"), "-shared", "-o", lib + ".tmp", obj_path, "-lgomp", "-lm"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as err:
-            raise AOTError(f"cannot run the C compiler to link ({' '.join(cmd)}): {err}") from err
-        if done.returncode != 0:
-            raise AOTError(f"linking failed ({' '.join(cmd)}): {done.stderr.strip()[:2000]}")
-    os.replace(lib + ".tmp", lib)
+    _link(compile_module([driver, *irs], t), lib, cc)
     weights = os.path.join(out_dir, f"{p}.weights.bin")
     blob = np.zeros(pl.weights_bytes, dtype=np.uint8)
     for r, off in pl.consts.items():
