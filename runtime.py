@@ -120,6 +120,7 @@ class CompiledModule:
         self.num_calls = int(getattr(lib, f"{p}_num_calls")())
         self._in_ptrs = (ctypes.c_void_p * max(1, len(self.inputs)))()
         self._out_ptrs = (ctypes.c_void_p * max(1, len(self.outputs)))()
+        self._last = None
 
     def _signature(self, kind: str, n: int) -> list[tuple[str, tuple[int, ...], str]]:
         lib, p = self._lib, self.name
@@ -167,11 +168,14 @@ class CompiledModule:
         for j, (name, shape, dtype) in enumerate(self.outputs):
             outs[name] = np.empty(shape, dtype=dtype)
             self._out_ptrs[j] = outs[name].ctypes.data
+        self._last = (keep, outs)          # run_pointers writes into these: keep them alive
         self.run_pointers()
         return outs
 
     def run_pointers(self) -> None:
-        """Run on the pointers the last `run` set (for timing without allocation)."""
+        """Run again on the last `run`'s inputs, into the arrays it returned (timing without allocation)."""
+        if self._last is None:
+            raise RuntimeLoadError("run_pointers needs a `run` first (it reuses that run's arrays)")
         code = self._run(self._in_ptrs, self._out_ptrs)
         if code != 0:
             raise RuntimeLoadError(f"{self.name}_run failed with code {code}")

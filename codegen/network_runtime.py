@@ -63,6 +63,20 @@ class NetworkCheck:
         return f"{'OK' if self.passed else 'MISMATCH'} (relative error {parts}; tolerance {self.tolerance:.0e})"
 
 
+def relative_errors(outs: Mapping[str, np.ndarray], refs: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Per output: max |out - ref| / max |ref| (inf for a wrong shape or a non-finite value)."""
+    errors = {}
+    for k, ref in refs.items():
+        out = outs[k]
+        if out.shape != ref.shape:
+            errors[k] = math.inf
+            continue
+        diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
+        scale = max(float(np.max(np.abs(ref))), 1e-30) if ref.size else 1.0
+        errors[k] = math.inf if not np.all(np.isfinite(diff)) else float(np.max(diff)) / scale
+    return errors
+
+
 @dataclass
 class Latency:
     """Seconds per network run, one entry per timed run."""
@@ -207,18 +221,7 @@ class CompiledNetwork:
               tolerance: float = NETWORK_TOLERANCE) -> NetworkCheck:
         """Run on random (or given) inputs and compare every output with the original graph's reference."""
         inputs = inputs if inputs is not None else self.net.source.random_inputs(seed)
-        outs = self.run(inputs)
-        refs = self.net.source.run_reference(inputs)
-        errors = {}
-        for k, ref in refs.items():
-            out = outs[k]
-            if out.shape != ref.shape:
-                errors[k] = math.inf
-                continue
-            diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
-            scale = max(float(np.max(np.abs(ref))), 1e-30) if ref.size else 1.0
-            errors[k] = math.inf if not np.all(np.isfinite(diff)) else float(np.max(diff)) / scale
-        return NetworkCheck(errors, tolerance)
+        return NetworkCheck(relative_errors(self.run(inputs), self.net.source.run_reference(inputs)), tolerance)
 
     @property
     def buffer_bytes(self) -> int:

@@ -27,20 +27,6 @@ from tensortune.flows.network_cli import (
 )
 
 
-def compile_tuned(net, store, target: str, out_dir: str, name: str | None = None):
-    """Build `net` from the store's best records on the tuned target (defaults without) into `out_dir`.
-    Returns (AOTResult, the target built for, estimated seconds per run or NaN, tasks without records)."""
-    from tensortune.codegen.aot import compile_network
-    from tensortune.flows.tuned_network import best_records, tuned_target
-    chosen = tuned_target(store, target, [t.workload_key for t in net.tasks])
-    steps, latency = best_records(store, chosen) if store is not None else ({}, {})
-    untuned = [t for t in net.tasks if t.workload_key not in latency]
-    estimate = math.fsum(t.weight * latency[t.workload_key] for t in net.tasks) if not untuned else math.nan
-    result = compile_network(net, steps, out_dir, chosen, name=name,
-                             extra={"estimated_latency_s": None if math.isnan(estimate) else estimate})
-    return result, chosen, estimate, untuned
-
-
 @app.command("compile")
 def compile_command(network: NetworkArg,
                     output: Annotated[str, typer.Option("-o", "--output", help="Folder to write the library, "
@@ -59,6 +45,7 @@ def compile_command(network: NetworkArg,
     library that `tensortune.runtime.load` (numpy + ctypes) or any C program runs."""
     from tensortune.codegen.aot import AOTError
     from tensortune.codegen.target import TargetError, parse_target
+    from tensortune.flows.tuned_network import compile_tuned
     from tensortune.storage.records import RecordStore
     if records and "://" not in records and not os.path.isdir(records):
         _fail(f"no record store at {records}")
@@ -95,17 +82,13 @@ def compile_command(network: NetworkArg,
     else:
         console.print(f"estimated latency: n/a ({len(untuned)} task(s) have no record)")
     if check:
-        from tensortune.codegen.network_runtime import NETWORK_TOLERANCE
+        from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, NetworkCheck, relative_errors
         from tensortune.runtime import load
-        m = load(output)
         inputs = net.source.random_inputs(0)
-        outs, refs = m.run(inputs), net.source.run_reference(inputs)
-        errors = {k: float(abs(outs[k].astype("float64") - ref).max() / max(float(abs(ref).max()), 1e-30))
-                  for k, ref in refs.items()}
-        ok = all(e <= NETWORK_TOLERANCE for e in errors.values())
-        console.print(f"check against the NumPy reference: {'OK' if ok else 'MISMATCH'} "
-                      f"({', '.join(f'{k}: {v:.2e}' for k, v in errors.items())})", soft_wrap=True)
-        if not ok:
+        result_check = NetworkCheck(relative_errors(load(output).run(inputs), net.source.run_reference(inputs)),
+                                    NETWORK_TOLERANCE)
+        console.print(f"check against the NumPy reference: {result_check}", soft_wrap=True)
+        if not result_check.passed:
             raise typer.Exit(code=2)
     console.print(f"wrote {len(result.files)} files in {result.seconds:.1f} s:", soft_wrap=True)
     for f in result.files:

@@ -92,6 +92,9 @@ def run_network(network: NetworkArg,
                 target: TargetOption = "llvm", threads: ThreadsOption = None,
                 check: Annotated[bool, typer.Option("--check/--no-check",
                                                     help="Compare the outputs with the NumPy reference.")] = True,
+                compiled: Annotated[bool, typer.Option(
+                    "--compiled", help="Run the one-library build `tensortune compile` writes (loaded by "
+                                       "tensortune.runtime) instead of the Python loop of kernel calls.")] = False,
                 ) -> None:
     """Compile every task (best record, else a default schedule), run the network end to end, print latency.
 
@@ -110,6 +113,20 @@ def run_network(network: NetworkArg,
             _fail(f"no record store at {records}")
         store = RecordStore(records, auto_compact=None)
     console = Console(width=max(120, Console().width))
+    if compiled:
+        from tensortune.codegen.aot import AOTError
+        from tensortune.flows.tuned_network import measure_compiled_network
+        try:
+            timing, result, per_call = measure_compiled_network(net, store, target, repeat=repeat, check=check)
+        except (AOTError, TargetError, OSError, ValueError) as err:
+            _fail(str(err))
+        console.print(f"compiled library: {len(result.kernels)} kernels, {timing.tuned} from records, "
+                      f"{result.arena_bytes:,} bytes of arena; dispatch {per_call * 1e9:.0f} ns per kernel call "
+                      "(driver with empty kernels, ctypes call included)", soft_wrap=True)
+        console.print(timing.line(), soft_wrap=True)
+        if not timing.passed:
+            raise typer.Exit(code=2)
+        return
     try:
         timing = measure_tuned_network(net, store, target, repeat=repeat, check=check)
     except (TargetError, OSError, ValueError) as err:

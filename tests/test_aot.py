@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from tensortune import runtime
 from tensortune.codegen.aot import compile_network, plan
-from tensortune.codegen.network_runtime import NETWORK_TOLERANCE
+from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, relative_errors
 from tensortune.codegen.target import parse_target
 from tensortune.flows.cli import app
 from tensortune.storage.records import RecordStore
@@ -36,9 +36,6 @@ SMALL = {
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to link with")
 
 
-def _rel_errors(outs, refs):
-    return {k: float(np.max(np.abs(outs[k].astype(np.float64) - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
-            for k, ref in refs.items()}
 
 
 def _tuned(net, count=3):
@@ -70,7 +67,7 @@ def test_library_matches_the_reference(tmp_path, name, tuned):
     assert m.num_calls == len(net.groups)
     for seed in (0, 1):
         inputs = graph.random_inputs(seed)
-        errors = _rel_errors(m.run(inputs), graph.run_reference(inputs))
+        errors = relative_errors(m.run(inputs), graph.run_reference(inputs))
         assert all(e <= NETWORK_TOLERANCE for e in errors.values()), errors
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["network"] == graph.name and manifest["target"]["string"] == str(parse_target(TARGET))
@@ -173,7 +170,7 @@ def _run_harness(tmp_path, graph, result, seed=3):
     assert done.returncode == 0, done.stderr
     got = {o["name"]: np.fromfile(outs / f"{o['name']}.bin", dtype=o["dtype"]).reshape(o["shape"])
            for o in manifest["outputs"]}
-    return _rel_errors(got, graph.run_reference(inputs))
+    return relative_errors(got, graph.run_reference(inputs))
 
 
 @needs_cc
@@ -207,7 +204,7 @@ def test_a_process_with_only_the_loader_and_numpy_runs_it(tmp_path):
                            str(tmp_path / "out.npz")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     outs = dict(np.load(tmp_path / "out.npz"))
-    errors = _rel_errors(outs, graph.run_reference(inputs))
+    errors = relative_errors(outs, graph.run_reference(inputs))
     assert all(e <= NETWORK_TOLERANCE for e in errors.values()), errors
 
 
@@ -288,7 +285,7 @@ def test_compiled_networks_from_python_and_c(tmp_path, name, options):
     errors = _run_harness(tmp_path, graph, result)
     assert all(e <= NETWORK_TOLERANCE for e in errors.values()), errors
     inputs = graph.random_inputs(1)
-    errors = _rel_errors(runtime.load(result.out_dir).run(inputs), graph.run_reference(inputs))
+    errors = relative_errors(runtime.load(result.out_dir).run(inputs), graph.run_reference(inputs))
     assert all(e <= NETWORK_TOLERANCE for e in errors.values()), errors
 
 
@@ -299,3 +296,12 @@ def test_dispatch_overhead_per_kernel_is_below_a_microsecond():
     from tensortune.codegen.aot import dispatch_overhead
     net = extract_tasks(make_network("resnet-18", **SMALL["resnet-18"]))
     assert 0 < dispatch_overhead(net, TARGET, runs=200) < 1e-6
+
+
+@needs_cc
+def test_cli_run_network_compiled():
+    out = runner.invoke(app, ["run-network", "resnet-18", "--image-size", "32", "--compiled", "--threads", "2",
+                              "--repeat", "2"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "compiled library: 18 kernels, 0 from records" in out.output and "ns per kernel call" in out.output
+    assert "check: OK" in out.output and "measured" in out.output
