@@ -24,6 +24,7 @@ from prefect.cache_policies import NONE
 from tensortune.codegen.measure import MeasureResult
 from tensortune.codegen.timing import TimingConfig
 from tensortune.flows import artifacts
+from tensortune.flows.compile_step import compile_network_step
 from tensortune.flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, CPU_RESOURCE, dask_client, local_resources
 from tensortune.flows.dask_measure import DaskMeasurer
 from tensortune.flows.retrain import NewestModel, Trainer, load_newest, retrain
@@ -359,6 +360,7 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
             if not measured.passed:
                 raise RuntimeError(f"{network}: the network built from the records gives wrong outputs "
                                    f"({measured.check}); the records are kept in {records}")
+            summary["library"] = vars(compile_network_step(net, network, tasks[0].target, records))
         return summary
 
 

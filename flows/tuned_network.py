@@ -186,6 +186,52 @@ def measure_compiled_network(net: NetworkTasks, records: RecordStore | None, tar
     return timing, result, per_call
 
 
+@dataclass
+class StoredLibrary:
+    """A network library compiled from a store's best records and written beside them."""
+    folder: str                 # where the files are (a local path or the store's URL scheme)
+    files: list[str]
+    tuned: int
+    kernels: int
+    estimate_s: float
+    check: str
+    passed: bool
+
+    def line(self) -> str:
+        est = f"{self.estimate_s * 1e3:.3f} ms" if math.isfinite(self.estimate_s) else "n/a"
+        return (f"library {self.folder}: {self.tuned}/{self.kernels} kernels from records, estimated {est}; "
+                f"check: {self.check}")
+
+
+COMPILED_DIR = "_compiled"      # private to the store: record and model readers skip "_" folders
+
+
+def compile_into_store(net: NetworkTasks, records_url: str, target: str, label: str, stamp: str) -> StoredLibrary:
+    """Compile the network from the store's best records (a temporary folder), check the library with
+    `tensortune.runtime`, and write its files to `<store>/_compiled/<label>/<stamp>/`."""
+    import os
+    import shutil
+    import tempfile
+
+    from tensortune.runtime import load
+    from tensortune.storage.filesystem import write_atomic
+    store = RecordStore(records_url, auto_compact=None)
+    with tempfile.TemporaryDirectory() as tmp:
+        result, _, estimate, _ = compile_tuned(net, store, target, tmp)
+        inputs = net.source.random_inputs(0)
+        check = NetworkCheck(relative_errors(load(tmp).run(inputs), net.source.run_reference(inputs)),
+                             NETWORK_TOLERANCE)
+        folder = store.location.path(COMPILED_DIR, label, stamp)
+        written = []
+        for src in result.files:
+            dest = f"{folder}/{os.path.basename(src)}"
+            with open(src, "rb") as f:
+                write_atomic(store.location, dest, lambda out, f=f: shutil.copyfileobj(f, out))
+            written.append(dest)
+    tuned = sum(k.schedule == "record" for k in result.kernels)
+    return StoredLibrary(folder, written, tuned, len(result.kernels), estimate, str(check), check.passed)
+
+
 def measure_tuned_network_job(net: NetworkTasks, records_url: str, target: str,
                               repeat: int = 20) -> TunedNetworkTiming:
     """Runs on a Dask measure worker (the flow's last step): the same, from the store at `records_url`."""

@@ -305,3 +305,15 @@ def test_cli_run_network_compiled():
     assert out.exit_code == 0, out.output
     assert "compiled library: 18 kernels, 0 from records" in out.output and "ns per kernel call" in out.output
     assert "check: OK" in out.output and "measured" in out.output
+
+
+@needs_cc
+def test_compile_into_store_writes_beside_the_records_where_readers_do_not_look(tmp_path):
+    from tensortune.flows.tuned_network import compile_into_store
+    net = extract_tasks(make_network("resnet-18", image_size=32))
+    _write_records(tmp_path / "records", net, TARGET)
+    lib = compile_into_store(net, str(tmp_path / "records"), str(parse_target(TARGET)), "resnet-18", "20260101-000000")
+    assert lib.passed and lib.tuned == 1 and lib.kernels == 18
+    assert lib.folder == str(tmp_path / "records" / "_compiled" / "resnet-18" / "20260101-000000")
+    assert runtime.load(lib.folder).input_shapes == {"data": (1, 3, 32, 32)}
+    assert len(RecordStore(str(tmp_path / "records")).read()) == 1        # the store still reads its records
