@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -17,6 +17,7 @@ from tensortune.flows.network_cli import (
     InputShapeOption,
     LayersOption,
     NetworkArg,
+    RecordsOption,
     SeqLenOption,
     TargetOption,
     ThreadsOption,
@@ -31,10 +32,7 @@ from tensortune.flows.network_cli import (
 def compile_command(network: NetworkArg,
                     output: Annotated[str, typer.Option("-o", "--output", help="Folder to write the library, "
                                                         "weights and manifest.json into.")],
-                    records: Annotated[Optional[str], typer.Option(
-                        "--records", envvar="TENSORTUNE_RECORDS",
-                        help="Record store to take each task's best schedule from (default schedules without).")]
-                    = None,
+                    records: RecordsOption = None,
                     batch: BatchOption = None, seq_len: SeqLenOption = None, layers: LayersOption = None,
                     image_size: ImageSizeOption = None, input_shape: InputShapeOption = None,
                     target: TargetOption = "llvm", threads: ThreadsOption = None,

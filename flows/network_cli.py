@@ -24,6 +24,9 @@ ImageSizeOption = Annotated[Optional[int], typer.Option("--image-size", min=1,
 InputShapeOption = Annotated[Optional[list[str]], typer.Option(
     "--input-shape", help="ONNX: NAME=D0,D1,... for an input with symbolic dimensions (repeatable).")]
 TargetOption = Annotated[str, typer.Option("--target", help="Target the tasks are for ('llvm' = this CPU).")]
+RecordsOption = Annotated[Optional[str], typer.Option(
+    "--records", envvar="TENSORTUNE_RECORDS",
+    help="Record store to take each task's best schedule from (default schedules without).")]
 ThreadsOption = Annotated[Optional[int], typer.Option(
     "--threads", min=1, help="CPU threads every kernel runs on (default: all cores; the target's -num-threads).")]
 
@@ -82,10 +85,7 @@ def extract(network: NetworkArg, batch: BatchOption = None, seq_len: SeqLenOptio
 
 @app.command("run-network")
 def run_network(network: NetworkArg,
-                records: Annotated[Optional[str], typer.Option(
-                    "--records", envvar="TENSORTUNE_RECORDS",
-                    help="Record store to take each task's best schedule from (default schedules without).")]
-                = None,
+                records: RecordsOption = None,
                 batch: BatchOption = None, seq_len: SeqLenOption = None, layers: LayersOption = None,
                 image_size: ImageSizeOption = None, input_shape: InputShapeOption = None,
                 repeat: Annotated[int, typer.Option("--repeat", min=1, help="Timed runs.")] = 10,
