@@ -54,7 +54,7 @@ def _extract(graph: Graph) -> NetworkTasks:
 
 
 def _fail(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+    Console(stderr=True).print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
     raise typer.Exit(code=1)
 
 
