@@ -33,7 +33,7 @@ console = Console(width=max(120, Console().width))
 
 
 def _fail(message: str) -> None:
-    Console(stderr=True).print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+    Console(stderr=True).print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
     raise typer.Exit(code=1)
 
 

@@ -82,12 +82,12 @@ def _query(run: Callable[[], pd.DataFrame]) -> pd.DataFrame:
     except (BadFileError, ValueError) as exc:
         _fail(str(exc))
     for warning in caught:
-        Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning.message}", highlight=False)
+        Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning.message}", highlight=False, soft_wrap=True)
     return frame
 
 
 def _fail(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+    Console(stderr=True).print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
     raise typer.Exit(code=1)
 
 
