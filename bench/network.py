@@ -306,6 +306,11 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     grad, wall = runs["gradient"]
     best = {t.workload_key: s for t, s in zip(tasks, grad.best_steps) if s}
     built = {"default": build_network(net, None, target), "tuned": build_network(net, best, target)}
+    # the same tuned kernels as one AOT library (driver in native code), loaded as a deployment loads it
+    from tensortune.codegen.aot import compile_network, dispatch_overhead
+    from tensortune.codegen.network_runtime import relative_errors
+    from tensortune.runtime import load
+    library = load(compile_network(net, best, os.path.join(folder, f"{name}-compiled"), target).out_dir)
 
     # checks: ours against the NumPy reference and ONNX Runtime, ORT against PyTorch
     sess = ort_session(path, args.threads)
@@ -319,6 +324,11 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
         vs_ort = output_errors(compiled.run(feed), ort_outs)
         checks[label] = {"numpy_error": ref.errors, "ort_error": vs_ort,
                          "passed": ref.passed and all(e <= NETWORK_TOLERANCE for e in vs_ort.values())}
+    lib_outs = library.run(feed)
+    ref_err = relative_errors(lib_outs, graph.run_reference(feed))
+    vs_ort = output_errors(lib_outs, ort_outs)
+    checks["compiled"] = {"numpy_error": ref_err, "ort_error": vs_ort,
+                          "passed": all(e <= NETWORK_TOLERANCE for e in [*ref_err.values(), *vs_ort.values()])}
     ort_vs_torch = {f"output{i}": relative_error(o, t) for i, (o, t) in enumerate(zip(ort_outs, torch_outs))}
 
     # timing: four sides in alternating pairs, one protocol, the same inputs
@@ -330,13 +340,15 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
         with torch.no_grad():
             return model(x)
     sides = {"tuned": in_process(built["tuned"].run_planned), "default": in_process(built["default"].run_planned),
+             "compiled": in_process(library.run_pointers),
              "torch": in_process(forward), "ort": in_process(lambda: sess.run(None, feed))}
     cmp = compare(sides, args.pairs)
 
     row = {"network": name, "options": options, "onnx_inputs": {input_name: list(feed[input_name].shape)},
            "tasks": len(tasks), "trials": grad.trials, "target": target, "builtin_agreement": agreement,
            "same_tasks_as_builtin": agreement["same"],
-           "threads_used": threads_used(target, sess), **cmp.fields(["tuned", "default"], ["torch", "ort"]),
+           "threads_used": threads_used(target, sess), **cmp.fields(["tuned", "default", "compiled"], ["torch", "ort"]),
+           "compiled_vs_python_runtime": None, "dispatch_ns_per_kernel": dispatch_overhead(net, target) * 1e9,
            "checked": {k: v["passed"] for k, v in checks.items()}, "checks": checks,
            "check_tolerance": NETWORK_TOLERANCE, "ort_vs_torch_error": ort_vs_torch,
            "tune_wall_s": wall, "est_latency_ms": grad.estimated_latency * 1e3,
@@ -347,6 +359,8 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
            "task_in_network_ms": in_network_breakdown(built["tuned"], tasks)}
     withhold_failed(row)
     row["est_vs_measured"] = (row["est_latency_ms"] / row["tuned_ms"]) if row["tuned_ms"] else None
+    if row["compiled_ms"] and row["tuned_ms"]:
+        row["compiled_vs_python_runtime"] = row["tuned_ms"] / row["compiled_ms"]
     if "round-robin" in runs:
         rr, rr_wall = runs["round-robin"]
         goal = rr.curve[-1][1]
@@ -371,7 +385,7 @@ def withhold_failed(row: dict, refs: tuple[str, ...] = ("torch", "ort")) -> dict
 def printed(row: dict) -> dict:
     """The table's view of a row: ratios as 'failed' where the answer was wrong."""
     out = dict(row)
-    for label in ("tuned", "default"):
+    for label in [k for k in ("tuned", "default", "compiled") if k in row["checked"]]:
         ok = row["checked"][label]
         out[f"{label}_check"] = "ok" if ok else "FAILED"
         for ref in ("torch", "ort"):
@@ -422,8 +436,9 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(folder, ignore_errors=True)
     print_table([printed(r) for r in rows],
                 ["network", "tasks", "same_tasks_as_builtin", "trials", "tuned_check", "tuned_ms", "default_ms",
-                 "torch_ms", "ort_ms",
+                 "compiled_ms", "dispatch_ns_per_kernel", "torch_ms", "ort_ms",
                  "tuned_vs_torch", "tuned_vs_torch_pairwise", "tuned_vs_ort", "tuned_vs_ort_pairwise",
+                 "compiled_vs_ort",
                  "default_vs_torch", "est_latency_ms", "pairs_ok"])
     if any("rr_trials" in r for r in rows):
         print_table(rows, ["network", "gradient_final_objective_ms", "rr_final_objective_ms", "rr_trials",

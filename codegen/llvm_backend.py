@@ -70,6 +70,35 @@ def compile_ir(ir: str, target: Target) -> bytes:
         return tm.emit_object(mod)
 
 
+@lru_cache(maxsize=4)
+def _shared_object_machine(cpu: str, features: str):
+    """For code linked into a shared library: position independent, small code model."""
+    _init()
+    return llvm.Target.from_default_triple().create_target_machine(
+        cpu=cpu, features=features, opt=3, reloc="pic", codemodel="default")
+
+
+def compile_module(irs: list[str], target: Target) -> bytes:
+    """Link several IR modules (names must not clash) into one, optimise it at O3 and emit one object
+    file for a shared library (what `compile` writes; kernels and driver in one module)."""
+    tm = _shared_object_machine(target.cpu, target.features)
+    with _lock:
+        main = llvm.parse_assembly(irs[0])
+        for ir in irs[1:]:
+            mod = llvm.parse_assembly(ir)
+            mod.verify()
+            main.link_in(mod)
+        main.verify()
+        pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
+        pb.getModulePassManager().run(main, pb)
+        return tm.emit_object(main)
+
+
+def default_triple() -> str:
+    _init()
+    return llvm.get_default_triple()
+
+
 def assembly(ir: str, target: Target) -> str:
     """The optimised machine code as text (tests check it for zmm registers)."""
     tm = _target_machine(target.cpu, target.features)

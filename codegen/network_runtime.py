@@ -22,7 +22,7 @@ from tensortune.codegen.target import parse_target
 from tensortune.schedule.default_schedule import default_schedule
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
-from tensortune.tasks.extract import NetworkTasks
+from tensortune.tasks.extract import ExtractedTask, NetworkTasks
 from tensortune.tasks.graph import contiguous
 
 ALIGN = 64
@@ -61,6 +61,20 @@ class NetworkCheck:
     def __str__(self) -> str:
         parts = ", ".join(f"{k}: {v:.2e}" for k, v in self.errors.items())
         return f"{'OK' if self.passed else 'MISMATCH'} (relative error {parts}; tolerance {self.tolerance:.0e})"
+
+
+def relative_errors(outs: Mapping[str, np.ndarray], refs: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Per output: max |out - ref| / max |ref| (inf for a wrong shape or a non-finite value)."""
+    errors = {}
+    for k, ref in refs.items():
+        out = outs[k]
+        if out.shape != ref.shape:
+            errors[k] = math.inf
+            continue
+        diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
+        scale = max(float(np.max(np.abs(ref))), 1e-30) if ref.size else 1.0
+        errors[k] = math.inf if not np.all(np.isfinite(diff)) else float(np.max(diff)) / scale
+    return errors
 
 
 @dataclass
@@ -207,18 +221,7 @@ class CompiledNetwork:
               tolerance: float = NETWORK_TOLERANCE) -> NetworkCheck:
         """Run on random (or given) inputs and compare every output with the original graph's reference."""
         inputs = inputs if inputs is not None else self.net.source.random_inputs(seed)
-        outs = self.run(inputs)
-        refs = self.net.source.run_reference(inputs)
-        errors = {}
-        for k, ref in refs.items():
-            out = outs[k]
-            if out.shape != ref.shape:
-                errors[k] = math.inf
-                continue
-            diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
-            scale = max(float(np.max(np.abs(ref))), 1e-30) if ref.size else 1.0
-            errors[k] = math.inf if not np.all(np.isfinite(diff)) else float(np.max(diff)) / scale
-        return NetworkCheck(errors, tolerance)
+        return NetworkCheck(relative_errors(self.run(inputs), self.net.source.run_reference(inputs)), tolerance)
 
     @property
     def buffer_bytes(self) -> int:
@@ -232,6 +235,17 @@ class CompiledNetwork:
         return "\n".join(lines)
 
 
+def task_schedule(task: ExtractedTask, steps: str | list | None) -> tuple[State, str]:
+    """The state to build a task from and where it came from: its record's steps when they replay,
+    else the default schedule ("default", or "default (record failed: ...)")."""
+    if steps:
+        try:
+            return State.from_json(task.dag, steps), "record"
+        except (IllegalStep, LoweringError, KeyError, ValueError) as err:
+            return default_schedule(task.dag), f"default (record failed: {str(err)[:120]})"
+    return default_schedule(task.dag), "default"
+
+
 def build_network(net: NetworkTasks, records: Mapping[str, str | list | None] | None = None,
                   target: str = "llvm") -> CompiledNetwork:
     """Compile every task (from `records[workload_key]` steps where present, else the default schedule)
@@ -243,17 +257,7 @@ def build_network(net: NetworkTasks, records: Mapping[str, str | list | None] | 
     kernels = []
     for task in net.tasks:
         t0 = time.perf_counter()
-        steps = records.get(task.workload_key)
-        source = "default"
-        state = None
-        if steps:
-            try:
-                state = State.from_json(task.dag, steps)
-                source = "record"
-            except (IllegalStep, LoweringError, KeyError, ValueError) as err:
-                source = f"default (record failed: {str(err)[:120]})"
-        if state is None:
-            state = default_schedule(task.dag)
+        state, source = task_schedule(task, records.get(task.workload_key))
         try:
             artifact = build(state, t)
         except (LoweringError, IllegalStep, ValueError) as err:

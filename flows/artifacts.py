@@ -13,13 +13,14 @@ from typing import Any, Sequence, cast
 from uuid import UUID
 
 from prefect.artifacts import (
+    create_link_artifact,
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
 )
 
-from tensortune.flows.tuned_network import GAP_WARNING, TunedNetworkTiming
+from tensortune.flows.tuned_network import GAP_WARNING, StoredLibrary, TunedNetworkTiming
 
 
 def network_label(network: str) -> str:
@@ -136,3 +137,11 @@ def publish_network_timing(network: str, target: str, timing: TunedNetworkTiming
               for t in timing.tasks]
     return _id(create_markdown_artifact("\n".join(lines), key=artifact_key(network, target, "network"),
                                         description=f"{name} on {target}: estimated and measured latency"))
+
+
+def publish_library(network: str, target: str, library: StoredLibrary) -> UUID:
+    """A link to the folder of the network library compiled from the run's records."""
+    link = library.folder if "://" in library.folder else "file://" + library.folder
+    return _id(create_link_artifact(link, link_text=f"{network_label(network)} library ({library.tuned}/"
+                                    f"{library.kernels} kernels tuned)", key=artifact_key(network, target, "library"),
+                                    description=library.line()))

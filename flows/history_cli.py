@@ -86,7 +86,7 @@ def _query(run: Callable[[], pd.DataFrame]) -> pd.DataFrame:
     except (BadFileError, ValueError) as exc:
         fail(str(exc))
     for warning in caught:
-        Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning.message}", highlight=False)
+        Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning.message}", highlight=False, soft_wrap=True)
     return frame
 
 

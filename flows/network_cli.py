@@ -24,6 +24,9 @@ ImageSizeOption = Annotated[Optional[int], typer.Option("--image-size", min=1,
 InputShapeOption = Annotated[Optional[list[str]], typer.Option(
     "--input-shape", help="ONNX: NAME=D0,D1,... for an input with symbolic dimensions (repeatable).")]
 TargetOption = Annotated[str, typer.Option("--target", help="Target the tasks are for ('llvm' = this CPU).")]
+RecordsOption = Annotated[Optional[str], typer.Option(
+    "--records", envvar="TENSORTUNE_RECORDS",
+    help="Record store to take each task's best schedule from (default schedules without).")]
 ThreadsOption = Annotated[Optional[int], typer.Option(
     "--threads", min=1, help="CPU threads every kernel runs on (default: all cores; the target's -num-threads).")]
 
@@ -78,16 +81,16 @@ def extract(network: NetworkArg, batch: BatchOption = None, seq_len: SeqLenOptio
 
 @app.command("run-network")
 def run_network(network: NetworkArg,
-                records: Annotated[Optional[str], typer.Option(
-                    "--records", envvar="TENSORTUNE_RECORDS",
-                    help="Record store to take each task's best schedule from (default schedules without).")]
-                = None,
+                records: RecordsOption = None,
                 batch: BatchOption = None, seq_len: SeqLenOption = None, layers: LayersOption = None,
                 image_size: ImageSizeOption = None, input_shape: InputShapeOption = None,
                 repeat: Annotated[int, typer.Option("--repeat", min=1, help="Timed runs.")] = 10,
                 target: TargetOption = "llvm", threads: ThreadsOption = None,
                 check: Annotated[bool, typer.Option("--check/--no-check",
                                                     help="Compare the outputs with the NumPy reference.")] = True,
+                compiled: Annotated[bool, typer.Option(
+                    "--compiled", help="Run the one-library build `tensortune compile` writes (loaded by "
+                                       "tensortune.runtime) instead of the Python loop of kernel calls.")] = False,
                 ) -> None:
     """Compile every task (best record, else a default schedule), run the network end to end, print latency.
 
@@ -102,6 +105,20 @@ def run_network(network: NetworkArg,
     net = _extract(graph)
     target = with_threads(target, threads)
     console = Console(width=max(120, Console().width))
+    if compiled:
+        from tensortune.codegen.aot import AOTError
+        from tensortune.flows.tuned_network import measure_compiled_network
+        try:
+            timing, result, per_call = measure_compiled_network(net, store, target, repeat=repeat, check=check)
+        except (AOTError, TargetError, OSError, ValueError) as err:
+            fail(str(err))
+        console.print(f"compiled library: {len(result.kernels)} kernels, {timing.tuned} from records, "
+                      f"{result.arena_bytes:,} bytes of arena; dispatch {per_call * 1e9:.0f} ns per kernel call "
+                      "(driver with empty kernels, ctypes call included)", soft_wrap=True)
+        console.print(timing.line(), soft_wrap=True)
+        if not timing.passed:
+            raise typer.Exit(code=2)
+        return
     try:
         timing = measure_tuned_network(net, store, target, repeat=repeat, check=check)
     except (TargetError, OSError, ValueError) as err:

@@ -26,6 +26,7 @@ from tensortune.codegen.measure import Measurer
 from tensortune.codegen.target import parse_target
 from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
 from tensortune.flows import artifacts
+from tensortune.flows.compile_step import compile_network_step
 from tensortune.flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, CPU_RESOURCE, dask_client, local_resources
 from tensortune.flows.dask_measure import DaskMeasurer
 from tensortune.flows.measure_targets import MeasureTarget, measure_node_targets, resolve_measure_target
@@ -375,6 +376,7 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
             if not measured.passed:
                 raise RuntimeError(f"{network}: the network built from the records gives wrong outputs "
                                    f"({measured.check}); the records are kept in {records}")
+            summary["library"] = vars(compile_network_step(net, network, tasks[0].target, records))
         return summary
 
 

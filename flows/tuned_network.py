@@ -16,7 +16,8 @@ import math
 import socket
 from dataclasses import dataclass, field
 
-from tensortune.codegen.network_runtime import build_network
+from tensortune.codegen.aot import AOTResult, compile_network, dispatch_overhead
+from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, NetworkCheck, build_network, relative_errors
 from tensortune.codegen.target import Target, parse_target
 from tensortune.storage.records import RecordStore
 from tensortune.tasks.extract import NetworkTasks
@@ -133,6 +134,102 @@ def measure_tuned_network(net: NetworkTasks, records: RecordStore | None, target
     return TunedNetworkTiming(net.source.name, str(chosen), socket.gethostname(), estimate,
                               runs.median_ms / 1e3, repeat, str(result) if result is not None else "not run",
                               result.passed if result is not None else True, tasks)
+
+
+def compile_tuned(net: NetworkTasks, store: RecordStore | None, target: str, out_dir: str,
+                  name: str | None = None) -> tuple[AOTResult, Target, float, list]:
+    """Build `net` from the store's best records on the tuned target (defaults without) into `out_dir`.
+    Returns (AOTResult, the target built for, estimated seconds per run or NaN, tasks without records)."""
+    chosen = tuned_target(store, target, [t.workload_key for t in net.tasks])
+    steps, latency = best_records(store, chosen) if store is not None else ({}, {})
+    untuned = [t for t in net.tasks if t.workload_key not in latency]
+    estimate = math.fsum(t.weight * latency[t.workload_key] for t in net.tasks) if not untuned else math.nan
+    result = compile_network(net, steps, out_dir, chosen, name=name,
+                             extra={"estimated_latency_s": None if math.isnan(estimate) else estimate})
+    return result, chosen, estimate, untuned
+
+
+def measure_compiled_network(net: NetworkTasks, records: RecordStore | None, target: str = "llvm",
+                             repeat: int = 20, check: bool = True, out_dir: str | None = None
+                             ) -> tuple[TunedNetworkTiming, AOTResult, float]:
+    """As `measure_tuned_network`, on the library `compile` writes (into `out_dir`, else a temporary
+    folder), loaded by `tensortune.runtime`. Also returns the driver's dispatch cost per kernel call."""
+    import tempfile
+    import time
+
+    import numpy as np
+
+    from tensortune.runtime import load
+    with tempfile.TemporaryDirectory() as tmp:
+        result, chosen, estimate, _ = compile_tuned(net, records, target, out_dir or tmp)
+        m = load(result.out_dir)
+        passed, text = True, "not run"
+        if check:
+            inputs = net.source.random_inputs(0)
+            result_check = NetworkCheck(relative_errors(m.run(inputs), net.source.run_reference(inputs)),
+                                        NETWORK_TOLERANCE)
+            passed, text = result_check.passed, str(result_check)
+        else:
+            m.run(net.source.random_inputs(0))
+        runs = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            m.run_pointers()
+            runs.append(time.perf_counter() - t0)
+        del m
+    per_call = dispatch_overhead(net, chosen)
+    steps, latency = best_records(records, chosen) if records is not None else ({}, {})
+    tasks = [TaskTiming(k.name, k.weight, k.schedule, latency.get(k.workload_key, math.nan), math.nan)
+             for k in result.kernels]
+    timing = TunedNetworkTiming(net.source.name, str(chosen), socket.gethostname(), estimate,
+                                float(np.median(runs)), repeat, text, passed, tasks)
+    return timing, result, per_call
+
+
+@dataclass
+class StoredLibrary:
+    """A network library compiled from a store's best records and written beside them."""
+    folder: str                 # where the files are (a local path or the store's URL scheme)
+    files: list[str]
+    tuned: int
+    kernels: int
+    estimate_s: float
+    check: str
+    passed: bool
+
+    def line(self) -> str:
+        est = f"{self.estimate_s * 1e3:.3f} ms" if math.isfinite(self.estimate_s) else "n/a"
+        return (f"library {self.folder}: {self.tuned}/{self.kernels} kernels from records, estimated {est}; "
+                f"check: {self.check}")
+
+
+COMPILED_DIR = "_compiled"      # private to the store: record and model readers skip "_" folders
+
+
+def compile_into_store(net: NetworkTasks, records_url: str, target: str, label: str, stamp: str) -> StoredLibrary:
+    """Compile the network from the store's best records (a temporary folder), check the library with
+    `tensortune.runtime`, and write its files to `<store>/_compiled/<label>/<stamp>/`."""
+    import os
+    import shutil
+    import tempfile
+
+    from tensortune.runtime import load
+    from tensortune.storage.filesystem import write_atomic
+    store = RecordStore(records_url, auto_compact=None)
+    with tempfile.TemporaryDirectory() as tmp:
+        result, _, estimate, _ = compile_tuned(net, store, target, tmp)
+        inputs = net.source.random_inputs(0)
+        check = NetworkCheck(relative_errors(load(tmp).run(inputs), net.source.run_reference(inputs)),
+                             NETWORK_TOLERANCE)
+        folder = store.location.path(COMPILED_DIR, label, stamp)
+        written = []
+        for src in result.files:
+            dest = f"{folder}/{os.path.basename(src)}"
+            with open(src, "rb") as f:
+                write_atomic(store.location, dest, lambda out, f=f: shutil.copyfileobj(f, out))
+            written.append(dest)
+    tuned = sum(k.schedule == "record" for k in result.kernels)
+    return StoredLibrary(folder, written, tuned, len(result.kernels), estimate, str(check), check.passed)
 
 
 def measure_tuned_network_job(net: NetworkTasks, records_url: str, target: str,

@@ -110,6 +110,11 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     assert timing["measured_s"] > 0 and timing["gap"] == pytest.approx(
         timing["measured_s"] / timing["estimate_s"] - 1)
 
+    # and with the night's library, compiled from the same records, checked, written beside them
+    library = first["library"]
+    assert library["passed"] and library["tuned"] == 2 and library["folder"].startswith(records + "/_compiled/mlp/")
+    assert sorted(os.listdir(library["folder"])) == ["manifest.json", "two_task_mlp.so", "two_task_mlp.weights.bin"]
+
     # the flow run and its artifacts, read back through the Prefect API
     flow_run, found, task_runs = read_back(state.state_details.flow_run_id)
     assert flow_run.state.is_completed() and re.fullmatch(r"mlp-llvm-\d{4}-\d\d-\d\d-\d{4}", flow_run.name)
@@ -120,10 +125,13 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     assert {"retrain-start", "retrain-r2", "retrain-r4"} <= set(names), names
     assert sum(n.startswith("search-r") for n in names) == 4 and sum(n.startswith("measure-r") for n in names) == 4
     assert any(n.startswith("build-and-time-network") for n in names)
+    assert any(n.startswith("compile-network") for n in names)
     by_key = {a.key: a for a in found}
     network_md = by_key[artifact_key(network, "llvm", "network")].data
     assert "measured end to end" in network_md and "2/2" in network_md and "OK" in network_md
-    by_type = {a.type: a for a in found if a.key != artifact_key(network, "llvm", "network")}
+    assert by_key[artifact_key(network, "llvm", "library")].data.endswith("](file://" + library["folder"] + ")")
+    by_type = {a.type: a for a in found if a.key not in (artifact_key(network, "llvm", "network"),
+                                                         artifact_key(network, "llvm", "library"))}
     assert set(by_type) >= {"progress", "table", "markdown"}
     assert float(by_type["progress"].data) == 100.0
     assert by_type["table"].key == artifact_key(network, "llvm", "tasks")

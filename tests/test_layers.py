@@ -123,3 +123,14 @@ def test_nothing_imports_a_layer_by_its_bare_name():
             for line, name in _imported_names(ast.parse(path.read_text(), str(path)))
             if name.split(".")[0] in PACKAGES]
     assert not bare, "import through the package, `tensortune.<layer>`:\n" + "\n".join(bare)
+
+
+def test_the_runtime_loader_needs_numpy_and_the_standard_library_only():
+    """`tensortune.runtime` (runtime.py at the root) is what a deployed process imports: nothing of the
+    tuner, so nothing of tensortune at all (tests/test_aot.py checks sys.modules in a fresh process)."""
+    import sys
+    tree = ast.parse((ROOT / "runtime.py").read_text())
+    bad = [f"runtime.py:{line} imports {name}" for line, name in _imported_names(tree)
+           if name.split(".")[0] not in sys.stdlib_module_names | {"numpy", "__future__"}]
+    relative = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+    assert not bad and not relative, bad + [f"runtime.py:{line}: relative import" for line in relative]
