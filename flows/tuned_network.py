@@ -13,8 +13,10 @@ This module never imports Prefect: the flow runs `measure_tuned_network` on a Da
 from __future__ import annotations
 
 import math
+import shutil
 import socket
 from dataclasses import dataclass, field
+from typing import BinaryIO, Callable
 
 from tensortune.codegen.aot import AOTResult, compile_network, dispatch_overhead
 from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, NetworkCheck, build_network, relative_errors
@@ -210,7 +212,6 @@ def compile_into_store(net: NetworkTasks, records_url: str, target: str, label: 
     """Compile the network from the store's best records (a temporary folder), check the library with
     `tensortune.runtime`, and write its files to `<store>/_compiled/<label>/<stamp>/`."""
     import os
-    import shutil
     import tempfile
 
     from tensortune.runtime import load
@@ -225,11 +226,18 @@ def compile_into_store(net: NetworkTasks, records_url: str, target: str, label: 
         written = []
         for src in result.files:
             dest = f"{folder}/{os.path.basename(src)}"
-            with open(src, "rb") as f:
-                write_atomic(store.location, dest, lambda out, f=f: shutil.copyfileobj(f, out))
+            write_atomic(store.location, dest, _copy_of(src))
             written.append(dest)
     tuned = sum(k.schedule == "record" for k in result.kernels)
     return StoredLibrary(folder, written, tuned, len(result.kernels), estimate, str(check), check.passed)
+
+
+def _copy_of(path: str) -> Callable[[BinaryIO], None]:
+    """A payload for write_atomic that streams the file at `path` (a library's weights are megabytes)."""
+    def write(out: BinaryIO) -> None:
+        with open(path, "rb") as f:
+            shutil.copyfileobj(f, out)
+    return write
 
 
 def measure_tuned_network_job(net: NetworkTasks, records_url: str, target: str,
