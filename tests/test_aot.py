@@ -268,7 +268,7 @@ def test_cli_compile_bad_input_fails_before_work(tmp_path):
                        "no record store at"),
                       (["resnet-18", "--target", "cuda", "-o", str(tmp_path / "x")], "CPU libraries only")):
         out = runner.invoke(app, ["compile", *args])
-        assert out.exit_code == 1 and msg in out.output, out.output
+        assert out.exit_code == 2 and msg in out.output, out.output            # 2: a usage error
     assert not (tmp_path / "x").exists()
 
 
