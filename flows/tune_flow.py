@@ -204,7 +204,7 @@ def measure_batch(s: Session, i: int, batch: Proposal, label: str) -> dict[str, 
 # ------------------------------------------------------------------ the loop
 
 def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: str, measurer,
-               per_round: int = 64, retrain_every: int = 2, model_warmup: int = 100, strategy: str = "gradient",
+               per_round: int = 64, retrain_every: int = 1, model_warmup: int = 100, strategy: str = "gradient",
                seed: int = 0, search: dict | None = None, flow_run_id: str = "",
                latency_target_ms: float | None = None, early_stopping_task: int | None = None,
                objective: str | None = None, reference_ms: float | None = None) -> dict[str, Any]:
@@ -338,7 +338,7 @@ def _flow_run_id() -> str:
 def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str = "llvm",
                       records: str = DEFAULT_ROOT, cluster: str | None = None, batch: int | None = None,
                       image_size: int | None = None, seq_len: int | None = None, layers: int | None = None,
-                      input_shapes: list[str] | None = None, per_round: int = 64, retrain_every: int = 2,
+                      input_shapes: list[str] | None = None, per_round: int = 64, retrain_every: int = 1,
                       model_warmup: int = 100, strategy: str = "gradient", seed: int = 0, search: dict | None = None,
                       timing: dict | None = None, local_workers: int = 1, latency_target_ms: float | None = None,
                       early_stopping_task: int | None = None, time_network: bool = True,
