@@ -52,8 +52,9 @@ def tune(network: NetworkArg,
          image_size: ImageSizeOption = None,
          seq_len: SeqLenOption = None, layers: LayersOption = None, input_shape: InputShapeOption = None,
          per_round: Annotated[int, typer.Option("--per-round", help="Measurements per round.")] = 64,
-         retrain_every: Annotated[int, typer.Option("--retrain-every", min=1,
-                                                    help="Retrain the cost model every R rounds (1: after every round, as the library learns).")] = 1,
+         retrain_every: Annotated[int, typer.Option(
+             "--retrain-every", min=1,
+             help="Retrain the cost model every R rounds (1: after every round, as the library learns).")] = 1,
          population: Annotated[Optional[int], typer.Option(
              "--population", min=16, help="Evolutionary search population (TVM: 2048).")] = None,
          latency_target_ms: Annotated[Optional[float], typer.Option(

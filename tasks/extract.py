@@ -374,6 +374,7 @@ def _layer_norm(node: Node, b: _GroupBuilder) -> Tensor:
 _BINARY_FN: dict[str, Callable] = {
     "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y, "div": lambda x, y: x / y,
     "pow": te.power, "maximum": te.maximum, "minimum": te.minimum,
+    "prelu": lambda x, slope: te.if_then_else(x >= 0.0, x, x * slope),
 }
 
 
@@ -401,6 +402,46 @@ def _unary(node: Node, b: _GroupBuilder) -> Tensor:
         return ops.gelu(x)
     fn = _UNARY_FN[node.op]
     return te.compute(x.shape, lambda *i: fn(x[i]), name=f"T_{node.op}")
+
+
+def _elu_part(v, alpha: float):
+    return te.if_then_else(v > 0.0, v, alpha * (te.exp(te.minimum(v, 0.0)) - 1.0))
+
+
+# the TE form of graph_ops.ACTIVATIONS: name -> fn(value, attrs)
+_ACTIVATION_FN: dict[str, Callable] = {
+    "leaky_relu": lambda v, a: te.if_then_else(v >= 0.0, v, a["alpha"] * v),
+    "elu": lambda v, a: _elu_part(v, a["alpha"]),
+    "selu": lambda v, a: a["gamma"] * _elu_part(v, a["alpha"]),
+    "softplus": lambda v, a: te.maximum(v, 0.0) + te.log(1.0 + te.exp(-te.abs(v))),
+    "hard_sigmoid": lambda v, a: te.minimum(te.maximum(a["alpha"] * v + a["beta"], 0.0), 1.0),
+    "hard_swish": lambda v, a: v * te.minimum(te.maximum(v / 6.0 + 0.5, 0.0), 1.0),
+    "reciprocal": lambda v, a: 1.0 / v,
+}
+
+
+def _activation(node: Node, b: _GroupBuilder) -> Tensor:
+    x, fn = b.input(0, "data"), _ACTIVATION_FN[node.op]
+    return te.compute(x.shape, lambda *i: fn(x[i], node.attrs), name=f"T_{node.op}")
+
+
+def _pad(node: Node, b: _GroupBuilder) -> Tensor:
+    a = node.attrs
+    if a["mode"] == "constant":
+        return ops.pad(b.input(0, "data"), a["before"], a["after"], a["value"])
+    return network_ops.pad_mode(b.input(0, "data"), a["before"], a["after"], a["mode"])
+
+
+def _with_bias(node: Node, b: _GroupBuilder, out: Tensor) -> Tensor:
+    return ops.bias_add(out, b.input(2, "bias"), axis=1) if b.has(2) else out
+
+
+def _log_softmax(node: Node, b: _GroupBuilder) -> Tensor:
+    rank = len(b.info(0).shape)
+    if node.attrs["axis"] % rank != rank - 1:
+        raise _fail(node, f"log_softmax over axis {node.attrs['axis']} of a rank-{rank} tensor is not supported; "
+                          f"only the last axis (transpose first)")
+    return network_ops.log_softmax(b.input(0, "data"))
 
 
 def _clip(node: Node, b: _GroupBuilder) -> Tensor:
@@ -433,6 +474,18 @@ TE_BUILDERS: dict[str, Callable[[Node, _GroupBuilder], Tensor]] = {
     "max_pool2d": _pool, "avg_pool2d": _pool,
     "global_avg_pool2d": lambda n, b: ops.global_avg_pool2d_nchw(b.input(0, "data")),
     "softmax": _softmax, "layer_norm": _layer_norm,
+    "log_softmax": _log_softmax, "pad": _pad,
+    "conv3d": lambda n, b: _with_bias(n, b, network_ops.conv3d_ncdhw(
+        b.input(0, "data"), b.input(1, "kernel"), n.attrs["strides"], n.attrs["pads"], n.attrs["dilations"],
+        n.attrs["groups"])),
+    "max_pool3d": lambda n, b: network_ops.pool3d_ncdhw(b.input(0, "data"), n.attrs["kernel"], n.attrs["strides"],
+                                                        n.attrs["pads"], "max"),
+    "avg_pool3d": lambda n, b: network_ops.pool3d_ncdhw(b.input(0, "data"), n.attrs["kernel"], n.attrs["strides"],
+                                                        n.attrs["pads"], "avg", n.attrs["count_include_pad"]),
+    "lrn": lambda n, b: network_ops.lrn(b.input(0, "data"), n.attrs["size"], n.attrs["alpha"], n.attrs["beta"],
+                                        n.attrs["bias"]),
+    "tile": lambda n, b: network_ops.tile(b.input(0, "data"), n.attrs["repeats"]),
+    **{op: _activation for op in _ACTIVATION_FN},
     "reduce_mean": lambda n, b: network_ops.reduce(b.input(0, "data"), n.attrs["axes"], n.attrs["keepdims"], "mean"),
     "reduce_sum": lambda n, b: network_ops.reduce(b.input(0, "data"), n.attrs["axes"], n.attrs["keepdims"], "sum"),
     "batch_norm": _batch_norm, "clip": _clip,

@@ -291,6 +291,77 @@ def _run_avg_pool(xs: list[np.ndarray], a: dict) -> np.ndarray:
     return total / count
 
 
+# ------------------------------------------------------------------------------------ 3-D (NCDHW)
+
+def _window_outs(node: Node, spatial: Sequence[int], k: Sequence[int], s: Sequence[int], pads: Sequence[int],
+                 d: Sequence[int]) -> tuple[int, ...]:
+    r = len(spatial)
+    return tuple(_window_out(node, spatial[i], k[i], s[i], pads[i], pads[r + i], d[i], f"spatial axis {i}")
+                 for i in range(r))
+
+
+def _infer_conv3d(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+    a = node.attrs
+    _check_pairs(node, a, ("strides", "pads", "dilations"), (3, 6, 3))
+    x, w = ins[0], ins[1]
+    _need_float(node, ins)
+    _need_rank(node, x, 5, "data (NCDHW)")
+    _need_rank(node, w, 5, "weight (OIDHW)")
+    g, c, co, cig = a["groups"], x.shape[1], w.shape[0], w.shape[1]
+    if g < 1 or c % g or co % g or cig * g != c:
+        raise _fail(node, f"data has {c} channels, weight {list(w.shape)} with groups={g}: need weight dim 1 == "
+                          f"channels/groups and output channels divisible by groups")
+    if len(ins) == 3 and ins[2].shape != (co,):
+        raise _fail(node, f"bias must have shape [{co}], got {list(ins[2].shape)}")
+    out = _window_outs(node, x.shape[2:], w.shape[2:], a["strides"], a["pads"], a["dilations"])
+    return TensorInfo((x.shape[0], co) + out, x.dtype)
+
+
+def _run_conv3d(xs: list[np.ndarray], a: dict) -> np.ndarray:
+    """Sum over the kernel offsets of (grouped) channel matmuls with the strided input views."""
+    x, w, g = xs[0], xs[1], a["groups"]
+    s, p, d = a["strides"], a["pads"], a["dilations"]
+    x = np.pad(x, ((0, 0), (0, 0)) + tuple((p[i], p[3 + i]) for i in range(3)))
+    n, c = x.shape[:2]
+    co, cig = w.shape[:2]
+    k = w.shape[2:]
+    out_sp = tuple((x.shape[2 + i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(3))
+    xg = x.reshape((n, g, cig) + x.shape[2:])
+    wg = w.reshape((g, co // g, cig) + k)
+    out = np.zeros((n, g, co // g, math.prod(out_sp)))
+    for off in np.ndindex(*k):
+        view = xg[(...,) + tuple(slice(off[i] * d[i], off[i] * d[i] + s[i] * (out_sp[i] - 1) + 1, s[i])
+                                 for i in range(3))]
+        out += np.matmul(wg[(None, slice(None), slice(None), slice(None)) + off], view.reshape(n, g, cig, -1))
+    out = out.reshape((n, co) + out_sp)
+    return out + xs[2].reshape(1, co, 1, 1, 1) if len(xs) == 3 else out
+
+
+def _infer_pool3d(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+    a = node.attrs
+    _check_pairs(node, a, ("kernel", "strides", "pads"), (3, 3, 6))
+    _need_rank(node, ins[0], 5, "data (NCDHW)")
+    _need_float(node, ins)
+    if any(max(a["pads"][i], a["pads"][3 + i]) >= a["kernel"][i] for i in range(3)):
+        raise _fail(node, f"padding {list(a['pads'])} must be smaller than the kernel {list(a['kernel'])}")
+    return TensorInfo(ins[0].shape[:2] + _window_outs(node, ins[0].shape[2:], a["kernel"], a["strides"], a["pads"],
+                                                      (1, 1, 1)), ins[0].dtype)
+
+
+def _pool3d_windows(x: np.ndarray, a: dict, fill: float) -> np.ndarray:
+    p, s = a["pads"], a["strides"]
+    xp = np.pad(x, ((0, 0), (0, 0)) + tuple((p[i], p[3 + i]) for i in range(3)), constant_values=fill)
+    win = np.lib.stride_tricks.sliding_window_view(xp, tuple(a["kernel"]), axis=(2, 3, 4))
+    return win[:, :, ::s[0], ::s[1], ::s[2]]
+
+
+def _run_avg_pool3d(xs: list[np.ndarray], a: dict) -> np.ndarray:
+    total = _pool3d_windows(xs[0], a, 0.0).sum(axis=(-3, -2, -1))
+    if a["count_include_pad"]:
+        return total / math.prod(a["kernel"])
+    return total / _pool3d_windows(np.ones((1, 1) + xs[0].shape[2:]), a, 0.0).sum(axis=(-3, -2, -1))
+
+
 def _infer_global_pool(node: Node, ins: list[TensorInfo]) -> TensorInfo:
     _need_rank(node, ins[0], 4, "data (NCHW)")
     _need_float(node, ins)
@@ -397,6 +468,58 @@ _UNARY = {
 }
 
 
+def _prelu(x: np.ndarray, slope: np.ndarray) -> np.ndarray:
+    return np.where(x >= 0, x, x * slope)
+
+
+_BINARY["prelu"] = _prelu
+
+
+def _expm1_where(x: np.ndarray, alpha: float) -> np.ndarray:
+    return np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0.0)))
+
+
+# elementwise ops with attributes: name -> (attribute defaults, NumPy reference of (x, attrs)); the
+# defaults are ONNX's
+ACTIVATIONS: dict[str, tuple[dict[str, Any], Callable[[np.ndarray, dict], np.ndarray]]] = {
+    "leaky_relu": ({"alpha": 0.01}, lambda x, a: np.where(x >= 0, x, a["alpha"] * x)),
+    "elu": ({"alpha": 1.0}, lambda x, a: _expm1_where(x, a["alpha"])),
+    "selu": ({"alpha": 1.67326319217681884765625, "gamma": 1.05070102214813232421875},
+             lambda x, a: a["gamma"] * _expm1_where(x, a["alpha"])),
+    "softplus": ({}, lambda x, a: np.logaddexp(0.0, x)),
+    "hard_sigmoid": ({"alpha": 0.2, "beta": 0.5}, lambda x, a: np.clip(a["alpha"] * x + a["beta"], 0.0, 1.0)),
+    "hard_swish": ({}, lambda x, a: x * np.clip(x / 6.0 + 0.5, 0.0, 1.0)),
+    "reciprocal": ({}, lambda x, a: 1.0 / x),
+}
+
+
+# ------------------------------------------------------------------------------------ normalisation
+
+def _run_log_softmax(xs: list[np.ndarray], a: dict) -> np.ndarray:
+    x = xs[0] - xs[0].max(axis=a["axis"], keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=a["axis"], keepdims=True))
+
+
+def _infer_lrn(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+    _need_float(node, ins)
+    if len(ins[0].shape) < 3:
+        raise _fail(node, f"needs a tensor with channels on axis 1 and spatial axes (rank >= 3), got "
+                          f"{list(ins[0].shape)}")
+    size = node.attrs["size"]
+    if not isinstance(size, int) or size < 1:
+        raise _fail(node, f"size must be a positive integer, got {size!r}")
+    return ins[0]
+
+
+def _run_lrn(xs: list[np.ndarray], a: dict) -> np.ndarray:
+    """ONNX LRN: the sum of squares over the channels [c - floor((size-1)/2), c + ceil((size-1)/2)]."""
+    x, size = xs[0], a["size"]
+    lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2
+    sq = np.pad(x * x, [(0, 0), (lo, hi)] + [(0, 0)] * (x.ndim - 2))
+    window = sum(sq[:, k:k + x.shape[1]] for k in range(size))
+    return x / (a["bias"] + a["alpha"] / size * window) ** a["beta"]
+
+
 # ------------------------------------------------------------------------------------ layout
 
 def _infer_reshape(node: Node, ins: list[TensorInfo]) -> TensorInfo:
@@ -440,6 +563,37 @@ def _infer_slice(node: Node, ins: list[TensorInfo]) -> TensorInfo:
 def _run_slice(xs: list[np.ndarray], a: dict) -> np.ndarray:
     idx = tuple(slice(b, None if e < 0 else e, s) for b, e, s in zip(a["begin"], a["end"], a["step"]))
     return xs[0][idx]
+
+
+PAD_MODES = ("constant", "reflect", "edge")
+
+
+def _infer_pad(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+    a, shape = node.attrs, ins[0].shape
+    if len(a["before"]) != len(shape) or len(a["after"]) != len(shape):
+        raise _fail(node, f"pads need one entry per axis ({len(shape)}), got {list(a['before'])}/{list(a['after'])}")
+    if any(p < 0 for p in a["before"] + a["after"]):
+        raise _fail(node, f"negative pads (cropping) are not supported: {list(a['before'])}/{list(a['after'])}")
+    if a["mode"] not in PAD_MODES:
+        raise _fail(node, f"mode {a['mode']!r} is not supported; use one of {', '.join(PAD_MODES)}")
+    if a["mode"] == "reflect" and any(max(b, e) >= n for b, e, n in zip(a["before"], a["after"], shape)):
+        raise _fail(node, f"reflect pads {list(a['before'])}/{list(a['after'])} must be smaller than the "
+                          f"dimensions {list(shape)}")
+    return TensorInfo(tuple(n + b + e for n, b, e in zip(shape, a["before"], a["after"])), ins[0].dtype)
+
+
+def _run_pad(xs: list[np.ndarray], a: dict) -> np.ndarray:
+    widths = list(zip(a["before"], a["after"]))
+    if a["mode"] == "constant":
+        return np.pad(xs[0], widths, mode="constant", constant_values=a["value"])
+    return np.pad(xs[0], widths, mode=a["mode"])
+
+
+def _infer_tile(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+    reps, shape = node.attrs["repeats"], ins[0].shape
+    if len(reps) != len(shape) or any(not isinstance(r, int) or r < 1 for r in reps):
+        raise _fail(node, f"repeats must be one positive integer per axis ({len(shape)}), got {list(reps)}")
+    return TensorInfo(tuple(n * r for n, r in zip(shape, reps)), ins[0].dtype)
 
 
 def _infer_gather(node: Node, ins: list[TensorInfo]) -> TensorInfo:
@@ -502,6 +656,13 @@ def _register_all() -> None:
     register_op("avg_pool2d", "anchor", (1, 1), {**pool, "count_include_pad": False}, _infer_pool, _run_avg_pool)
     register_op("global_avg_pool2d", "anchor", (1, 1), {}, _infer_global_pool,
                 lambda xs, a: xs[0].mean(axis=(2, 3), keepdims=True))
+    register_op("conv3d", "anchor", (2, 3), {"strides": (1, 1, 1), "pads": (0,) * 6, "dilations": (1, 1, 1),
+                                             "groups": 1}, _infer_conv3d, _run_conv3d)
+    pool3d = {"kernel": REQUIRED, "strides": (1, 1, 1), "pads": (0,) * 6}
+    register_op("max_pool3d", "anchor", (1, 1), pool3d, _infer_pool3d,
+                lambda xs, a: _pool3d_windows(xs[0], a, -np.inf).max(axis=(-3, -2, -1)))
+    register_op("avg_pool3d", "anchor", (1, 1), {**pool3d, "count_include_pad": False}, _infer_pool3d,
+                _run_avg_pool3d)
     register_op("softmax", "anchor", (1, 1), {"axis": -1}, _infer_softmax, _run_softmax)
     register_op("layer_norm", "anchor", (3, 3), {"axis": -1, "epsilon": 1e-5}, _infer_layer_norm, _run_layer_norm)
     for name, fn in (("reduce_mean", np.mean), ("reduce_sum", np.sum)):
@@ -513,6 +674,15 @@ def _register_all() -> None:
     for name, unary in _UNARY.items():
         register_op(name, "elementwise", (1, 1), {}, _infer_unary, lambda xs, a, fn=unary: fn(xs[0]))
     register_op("clip", "elementwise", (1, 1), {"min": None, "max": None}, _infer_clip, _run_clip)
+    for name, (defaults, act) in ACTIVATIONS.items():
+        register_op(name, "elementwise", (1, 1), defaults, _infer_unary, lambda xs, a, fn=act: fn(xs[0], a))
+    register_op("log_softmax", "anchor", (1, 1), {"axis": -1}, _infer_softmax, _run_log_softmax)
+    register_op("lrn", "anchor", (1, 1), {"size": REQUIRED, "alpha": 1e-4, "beta": 0.75, "bias": 1.0},
+                _infer_lrn, _run_lrn)
+    register_op("pad", "injective", (1, 1), {"before": REQUIRED, "after": REQUIRED, "mode": "constant", "value": 0.0},
+                _infer_pad, _run_pad)
+    register_op("tile", "injective", (1, 1), {"repeats": REQUIRED}, _infer_tile,
+                lambda xs, a: np.tile(xs[0], a["repeats"]))
     register_op("reshape", "layout", (1, 1), {"shape": REQUIRED}, _infer_reshape,
                 lambda xs, a: xs[0].reshape(a["shape"]))
     register_op("transpose", "injective", (1, 1), {"perm": REQUIRED}, _infer_transpose,

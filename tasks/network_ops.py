@@ -7,6 +7,7 @@ raises a ValueError naming what is wrong.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 from tensortune.tasks import te
@@ -189,3 +190,131 @@ def reduce(x: Tensor, axes: Sequence[int], keepdims: bool = True, kind: str = "s
     if kind == "sum":
         return total
     return te.compute(shape, lambda *i: total[i] / float(count), name=name or "T_reduce_mean")
+
+
+def log_softmax(x: Tensor, name: str = "T_log_softmax") -> Tensor:
+    """log(softmax(x)) over the last axis as x - max - log(sum(exp(x - max))): never log(0)."""
+    outer, m = x.shape[:-1], x.shape[-1]
+    k1, k2 = te.reduce_axis(m, "k"), te.reduce_axis(m, "k")
+    mx = te.compute(outer, lambda *i: te.max(x[i + (k1,)], axis=k1), name="T_log_softmax_maxelem")
+    sm = te.compute(outer, lambda *i: te.sum(te.exp(x[i + (k2,)] - mx[i]), axis=k2), name="T_log_softmax_expsum")
+    return te.compute(x.shape, lambda *i: x[i] - mx[i[:-1]] - te.log(sm[i[:-1]]), name=name)
+
+
+def lrn(x: Tensor, size: int, alpha: float, beta: float, bias: float, name: str = "T_lrn") -> Tensor:
+    """ONNX/Caffe local response normalisation across channels (axis 1), as TOPI's `lrn`: the squares
+    summed over a window of `size` channels (zero outside), then x / (bias + alpha/size * sum)^beta."""
+    if x.ndim < 3:
+        raise ValueError(f"lrn: {x.name} needs channels on axis 1 and spatial axes, got {list(x.shape)}")
+    lo = (size - 1) // 2
+    c = x.shape[1]
+    k = te.reduce_axis(size, "rk")
+
+    def window(*i):
+        ch = i[1] + k - lo
+        v = te.if_then_else(te.all(ch >= 0, ch < c), x[(i[0], ch) + i[2:]], te.const(0.0, x.dtype))
+        return te.sum(v * v, axis=k)
+    sq = te.compute(x.shape, window, name="T_lrn_sqr_sum")
+    return te.compute(x.shape, lambda *i: x[i] / te.power(bias + alpha / size * sq[i], te.const(beta, x.dtype)),
+                      name=name)
+
+
+def pad_mode(x: Tensor, before: Sequence[int], after: Sequence[int], mode: str, name: str = "T_pad") -> Tensor:
+    """Reflect or edge padding (numpy's "reflect" / "edge"), one stage per padded axis: each output
+    index reads the input under a guard that keeps it in bounds (the left, middle and right parts)."""
+    if mode not in ("reflect", "edge"):
+        raise ValueError(f"pad_mode: mode {mode!r} (use tasks.ops.pad for constant padding)")
+    out = x
+    axes = [d for d in range(x.ndim) if before[d] or after[d]]
+    for n_done, d in enumerate(axes):
+        src, b, n = out, before[d], x.shape[d]
+        shape = src.shape[:d] + (n + before[d] + after[d],) + src.shape[d + 1:]
+
+        def f(*i, src=src, d=d, b=b, n=n):
+            j = i[d] - b
+
+            def at(v):
+                return src[i[:d] + (v,) + i[d + 1:]]
+            if mode == "edge":
+                left, right = at(0), at(n - 1)
+            else:
+                left, right = at(-j), at(2 * (n - 1) - j)
+            return te.if_then_else(j < 0, left, te.if_then_else(j < n, at(j), right))
+        out = te.compute(shape, f, name=name if n_done == len(axes) - 1 else f"{name}_axis{d}")
+    return out
+
+
+def tile(x: Tensor, repeats: Sequence[int], name: str = "T_tile") -> Tensor:
+    shape = tuple(n * r for n, r in zip(x.shape, repeats))
+    return te.compute(shape, lambda *i: x[tuple(v % n if r > 1 else v for v, n, r in zip(i, x.shape, repeats))],
+                      name=name)
+
+
+def _pad_spatial(data: Tensor, pads: Sequence[int], fill: float) -> Tensor:
+    """data padded on its spatial axes (2..) by pads (begins..., ends...) with `fill`."""
+    r = data.ndim - 2
+    if not any(pads):
+        return data
+    shape = data.shape[:2] + tuple(data.shape[2 + i] + pads[i] + pads[r + i] for i in range(r))
+
+    def f(*i):
+        inside = [c for k in range(r) for c in (i[2 + k] >= pads[k], i[2 + k] < pads[k] + data.shape[2 + k])]
+        src = i[:2] + tuple(i[2 + k] - pads[k] for k in range(r))
+        return te.if_then_else(te.all(*inside), data[src], te.const(fill, data.dtype))
+    return te.compute(shape, f, name="pad_temp")
+
+
+def conv3d_ncdhw(data: Tensor, kernel: Tensor, strides: Sequence[int], pads: Sequence[int],
+                 dilations: Sequence[int], groups: int = 1, name: str = "conv3d_ncdhw") -> Tensor:
+    """Grouped, dilated 3-D convolution with pads (front, top, left, back, bottom, right);
+    kernel [CO, CI/groups, KD, KH, KW]."""
+    if data.ndim != 5 or kernel.ndim != 5:
+        raise ValueError(f"conv3d: data and kernel must be 5-d, got {list(data.shape)} and {list(kernel.shape)}")
+    n, c = data.shape[:2]
+    co, cig = kernel.shape[:2]
+    k = kernel.shape[2:]
+    if c % groups or co % groups or cig * groups != c:
+        raise ValueError(f"conv3d: {c} channels, kernel {list(kernel.shape)}, groups={groups} do not agree")
+    p = _pad_spatial(data, pads, 0.0)
+    out = tuple((p.shape[2 + i] - dilations[i] * (k[i] - 1) - 1) // strides[i] + 1 for i in range(3))
+    if min(out) <= 0:
+        raise ValueError(f"conv3d: kernel {list(k)} does not fit input {list(data.shape[2:])} with pads {list(pads)}")
+    rc, rz, ry, rx = (te.reduce_axis(cig, "rc"), te.reduce_axis(k[0], "rz"), te.reduce_axis(k[1], "ry"),
+                      te.reduce_axis(k[2], "rx"))
+    cog = co // groups
+    (sd, sh, sw), (dd, dh, dw) = strides, dilations
+
+    def f(b, ff, z, y, x):
+        ch = rc if groups == 1 else ff // cog * cig + rc
+        return te.sum(p[b, ch, z * sd + rz * dd, y * sh + ry * dh, x * sw + rx * dw] * kernel[ff, rc, rz, ry, rx],
+                      axis=[rc, rz, ry, rx])
+    return te.compute((n, co) + out, f, name=name)
+
+
+def pool3d_ncdhw(data: Tensor, kernel: Sequence[int], strides: Sequence[int], pads: Sequence[int],
+                 kind: str = "max", count_include_pad: bool = True, name: str | None = None) -> Tensor:
+    """Max or average 3-D pooling; the exclusive average divides by each window's in-bounds count."""
+    if data.ndim != 5:
+        raise ValueError(f"pool3d: data must be NCDHW, got shape {list(data.shape)}")
+    src = _pad_spatial(data, pads, -3.4028234663852886e38 if kind == "max" else 0.0)
+    out = tuple((src.shape[2 + i] - kernel[i]) // strides[i] + 1 for i in range(3))
+    rz, ry, rx = te.reduce_axis(kernel[0], "rz"), te.reduce_axis(kernel[1], "ry"), te.reduce_axis(kernel[2], "rx")
+
+    def window(b, cc, z, y, x):
+        return src[b, cc, z * strides[0] + rz, y * strides[1] + ry, x * strides[2] + rx]
+    shape = data.shape[:2] + out
+    if kind == "max":
+        return te.compute(shape, lambda *i: te.max(window(*i), axis=[rz, ry, rx]), name=name or "pool3d_max")
+    total = te.compute(shape, lambda *i: te.sum(window(*i), axis=[rz, ry, rx]), name="pool3d_sum")
+    if count_include_pad or not any(pads):
+        return te.compute(shape, lambda *i: total[i] / float(math.prod(kernel)), name=name or "pool3d_avg")
+
+    def count(*sp):
+        n_in = None
+        for k in range(3):
+            lo, size = pads[k], data.shape[2 + k]
+            span = (te.minimum(sp[k] * strides[k] + kernel[k], te.const(lo + size, "int64"))
+                    - te.maximum(sp[k] * strides[k], te.const(lo, "int64")))
+            n_in = span if n_in is None else n_in * span
+        return te.cast(data.dtype, n_in)
+    return te.compute(shape, lambda b, cc, *sp: total[(b, cc) + sp] / count(*sp), name=name or "pool3d_avg")

@@ -234,9 +234,14 @@ class _Importer:
             if conv is None:
                 raise self.fail(f"unsupported op {node.op_type!r}; supported ops: {', '.join(sorted(CONVERTERS))}")
             extra = [o for o in node.output[1:] if o and o in self.used]
-            if extra:
+            if extra and node.op_type not in MULTI_OUTPUT:
                 raise self.fail(f"its extra output(s) {extra} are used, but only the first output is supported")
             result = conv(self)
+            if isinstance(result, tuple):                # one value per output (Split)
+                for name, value in zip(node.output, result):
+                    if name:
+                        self.env[name] = value
+                continue
             if node.output and node.output[0]:
                 self.env[node.output[0]] = result
                 if isinstance(result, np.ndarray):
@@ -286,19 +291,81 @@ def _auto_pad(imp: _Importer, a: dict, in_hw, k_hw, s_hw, d_hw) -> tuple[int, in
 
 def _need_2d(imp: _Importer, x: _Value, what: str = "input") -> None:
     if len(imp.shape(x)) != 4:
-        raise imp.fail(f"only 2-D spatial ops on NCHW (4-d) tensors are supported; {what} has shape "
-                       f"{list(imp.shape(x))}")
+        raise imp.fail(f"only 1-D, 2-D and 3-D spatial ops (NCW, NCHW, NCDHW) are supported; {what} has "
+                       f"shape {list(imp.shape(x))}")
+
+
+def _lift_1d(imp: _Importer, x: _Value, a: dict) -> tuple[_Value, dict, Callable[[_Value], _Value] | None]:
+    """A 1-D op (NCW) as the 2-D op over an NC1W view: its window attributes get a leading 1 (pads
+    [b, e] become [0, b, 0, e]); returns the view, the attributes and what turns the 2-D result back
+    (None for an input that is not 1-D)."""
+    shape = imp.shape(x)
+    if len(shape) != 3:
+        return x, a, None
+    lifted = dict(a)
+    for key in ("kernel_shape", "strides", "dilations"):
+        if key in a:
+            lifted[key] = (1,) + _ints(a[key])
+    if "pads" in a:
+        b, e = _ints(a["pads"])
+        lifted["pads"] = (0, b, 0, e)
+    x4 = imp.emit("reshape", [x], output=f"{imp.node_label}.as_2d", shape=(shape[0], shape[1], 1, shape[2]))
+
+    def back(y: _Value) -> _Value:
+        n, c, _, w = imp.shape(y)
+        return imp.emit("reshape", [y], shape=(n, c, w))
+    return x4, lifted, back
+
+
+def _pads_nd(imp: _Importer, a: dict, sizes, k, s, d) -> tuple[int, ...]:
+    """ONNX pads (begins..., ends...) of an n-d window op, from `pads` or `auto_pad`."""
+    r = len(sizes)
+    mode = a.get("auto_pad", "NOTSET")
+    if mode in ("NOTSET", ""):
+        p = _ints(a.get("pads"), default=(0,) * (2 * r))
+        if len(p) != 2 * r:
+            raise imp.fail(f"pads {list(p)} must have {2 * r} entries for a {r}-D op")
+        return p
+    if mode == "VALID":
+        return (0,) * (2 * r)
+    if mode not in ("SAME_UPPER", "SAME_LOWER"):
+        raise imp.fail(f"unsupported auto_pad {mode!r}")
+    lo, hi = [], []
+    for size, kk, ss, dd in zip(sizes, k, s, d):
+        total = max(0, (-(-size // ss) - 1) * ss + (kk - 1) * dd + 1 - size)
+        lo.append(total // 2 if mode == "SAME_UPPER" else total - total // 2)
+        hi.append(total - lo[-1])
+    return tuple(lo + hi)
+
+
+def _conv3d(imp: _Importer):
+    a = imp.attrs()
+    x, w = imp.inp(0), imp.inp(1)
+    k = _ints(a.get("kernel_shape"), default=tuple(imp.shape(w)[2:]))
+    s, d = _ints(a.get("strides"), default=(1, 1, 1)), _ints(a.get("dilations"), default=(1, 1, 1))
+    pads = _pads_nd(imp, a, imp.shape(x)[2:], k, s, d)
+    ins = [x, w] + ([imp.inp(2)] if len(imp.node.input) > 2 and imp.node.input[2] else [])
+    return imp.emit("conv3d", ins, strides=s, pads=pads, dilations=d, groups=int(a.get("group", 1)))
 
 
 def _conv(imp: _Importer):
-    a = imp.attrs()
     x, w = imp.inp(0), imp.inp(1)
+    if len(imp.shape(x)) == 5:
+        return _conv3d(imp)
+    x, a, back = _lift_1d(imp, x, imp.attrs())
+    if len(imp.shape(w)) == 3:
+        co, ci, k = imp.shape(w)
+        w = contiguous(w.reshape(co, ci, 1, k)) if isinstance(w, np.ndarray) else imp.emit(
+            "reshape", [w], output=f"{imp.node_label}.kernel_2d", shape=(co, ci, 1, k))
     _need_2d(imp, x)
     k = _ints(a.get("kernel_shape"), default=tuple(imp.shape(w)[2:]))
     s, d = _ints(a.get("strides"), default=(1, 1)), _ints(a.get("dilations"), default=(1, 1))
     pads = _auto_pad(imp, a, imp.shape(x)[2:], k, s, d)
     ins = [x, w] + ([imp.inp(2)] if len(imp.node.input) > 2 and imp.node.input[2] else [])
-    return imp.emit("conv2d", ins, strides=s, pads=pads, dilations=d, groups=int(a.get("group", 1)))
+    if back is None:
+        return imp.emit("conv2d", ins, strides=s, pads=pads, dilations=d, groups=int(a.get("group", 1)))
+    return back(imp.emit("conv2d", ins, output=f"{imp.node_label}.conv2d", strides=s, pads=pads, dilations=d,
+                         groups=int(a.get("group", 1))))
 
 
 def _conv_transpose(imp: _Importer):
@@ -399,10 +466,27 @@ def _layer_norm(imp: _Importer):
     return imp.emit("reshape", [y], shape=shape)
 
 
+def _pool3d(imp: _Importer, kind: str, x: _Value, a: dict):
+    if int(a.get("ceil_mode", 0)):
+        raise imp.fail("ceil_mode=1 is not supported; use ceil_mode=0 (floor)")
+    if any(v != 1 for v in _ints(a.get("dilations"), default=(1, 1, 1))):
+        raise imp.fail(f"dilations {a['dilations']} are not supported for pooling")
+    k = _ints(a.get("kernel_shape"))
+    if k is None or len(k) != 3:
+        raise imp.fail(f"kernel_shape must have 3 entries, got {a.get('kernel_shape')}")
+    s = _ints(a.get("strides"), default=(1, 1, 1))
+    pads = _pads_nd(imp, a, imp.shape(x)[2:], k, s, (1, 1, 1))
+    if kind == "max":
+        return imp.emit("max_pool3d", [x], kernel=k, strides=s, pads=pads)
+    return imp.emit("avg_pool3d", [x], kernel=k, strides=s, pads=pads,
+                    count_include_pad=bool(a.get("count_include_pad", 0)))
+
+
 def _pool(kind: str) -> Callable:
     def convert(imp: _Importer):
-        a = imp.attrs()
-        x = imp.inp(0)
+        x, a, back = _lift_1d(imp, imp.inp(0), imp.attrs())
+        if len(imp.shape(x)) == 5:
+            return _pool3d(imp, kind, x, a)
         _need_2d(imp, x)
         if int(a.get("ceil_mode", 0)):
             raise imp.fail("ceil_mode=1 is not supported; use ceil_mode=0 (floor)")
@@ -415,14 +499,15 @@ def _pool(kind: str) -> Callable:
             raise imp.fail(f"kernel_shape must have 2 entries, got {a.get('kernel_shape')}")
         s = _ints(a.get("strides"), default=(1, 1))
         pads = _auto_pad(imp, a, imp.shape(x)[2:], k, s, (1, 1))
-        if kind == "max":
-            return imp.emit("max_pool2d", [x], kernel=k, strides=s, pads=pads)
-        return imp.emit("avg_pool2d", [x], kernel=k, strides=s, pads=pads,
-                        count_include_pad=bool(a.get("count_include_pad", 0)))
+        attrs = dict(kernel=k, strides=s, pads=pads) if kind == "max" else dict(
+            kernel=k, strides=s, pads=pads, count_include_pad=bool(a.get("count_include_pad", 0)))
+        if back is None:
+            return imp.emit(f"{kind}_pool2d", [x], **attrs)
+        return back(imp.emit(f"{kind}_pool2d", [x], output=f"{imp.node_label}.pool2d", **attrs))
     return convert
 
 
-def _softmax(imp: _Importer):
+def _softmax(imp: _Importer, op: str = "softmax"):
     a = imp.attrs()
     x = imp.inp(0)
     shape = imp.shape(x)
@@ -430,18 +515,18 @@ def _softmax(imp: _Importer):
     if imp.opset < 13:     # old semantics: flatten to 2-D at `axis`, softmax over the second dim
         axis = int(a.get("axis", 1)) % rank
         if axis == rank - 1:
-            return imp.emit("softmax", [x], axis=-1)
+            return imp.emit(op, [x], axis=-1)
         flat = imp.emit("reshape", [x], output=f"{imp.node_label}.flatten",
                         shape=(math.prod(shape[:axis]) if axis else 1, math.prod(shape[axis:])))
-        y = imp.emit("softmax", [flat], output=f"{imp.node_label}.softmax", axis=-1)
+        y = imp.emit(op, [flat], output=f"{imp.node_label}.{op}", axis=-1)
         return imp.emit("reshape", [y], shape=shape)
     axis = int(a.get("axis", -1)) % rank
     if axis == rank - 1:
-        return imp.emit("softmax", [x], axis=-1)
+        return imp.emit(op, [x], axis=-1)
     perm = tuple(d for d in range(rank) if d != axis) + (axis,)
     back = tuple(perm.index(d) for d in range(rank))
     t = imp.emit("transpose", [x], output=f"{imp.node_label}.to_last", perm=perm)
-    y = imp.emit("softmax", [t], output=f"{imp.node_label}.softmax", axis=-1)
+    y = imp.emit(op, [t], output=f"{imp.node_label}.{op}", axis=-1)
     return imp.emit("transpose", [y], perm=back)
 
 
@@ -456,6 +541,138 @@ def _binary(op: str) -> Callable:
             out = imp.emit(op, [out, v], output=None if last else f"{imp.node_label}.{k}")
         return out
     return convert
+
+
+def _sum(mean: bool) -> Callable:
+    """Sum and Mean of one or more inputs (numpy broadcasting): a chain of adds, then 1/n for Mean."""
+    def convert(imp: _Importer):
+        ins = [imp.inp(i) for i in range(len(imp.node.input))]
+        out = ins[0]
+        for k, v in enumerate(ins[1:]):
+            last = k == len(ins) - 2 and not mean
+            out = imp.emit("add", [out, v], output=None if last else f"{imp.node_label}.{k}")
+        if mean and len(ins) > 1:
+            return imp.emit("mul", [out, np.asarray(1.0 / len(ins), dtype=imp.dtype(out))])
+        return out
+    return convert
+
+
+def _prelu(imp: _Importer):
+    """Before opset 7 a 1-D slope of C values is per channel (axis 1); from 7 on it broadcasts as numpy."""
+    x, slope = imp.inp(0), imp.inp(1)
+    shape = imp.shape(x)
+    if imp.opset < 7 and len(imp.shape(slope)) == 1 and len(shape) > 2 and imp.shape(slope)[0] == shape[1]:
+        channel = (shape[1],) + (1,) * (len(shape) - 2)
+        slope = slope.reshape(channel) if isinstance(slope, np.ndarray) else imp.emit(
+            "reshape", [slope], output=f"{imp.node_label}.slope", shape=channel)
+    return imp.emit("prelu", [x, slope])
+
+
+def _activation(op: str, *names: tuple[str, str]) -> Callable:
+    """An elementwise op with float attributes: (ONNX attribute, graph attribute) pairs."""
+    def convert(imp: _Importer):
+        a = imp.attrs()
+        return imp.emit(op, [imp.inp(0)], **{mine: float(a[theirs]) for theirs, mine in names if theirs in a})
+    return convert
+
+
+def _lrn(imp: _Importer):
+    a = imp.attrs()
+    if "size" not in a:
+        raise imp.fail("the size attribute is required")
+    return imp.emit("lrn", [imp.inp(0)], size=int(a["size"]), alpha=float(a.get("alpha", 1e-4)),
+                    beta=float(a.get("beta", 0.75)), bias=float(a.get("bias", 1.0)))
+
+
+def _pad(imp: _Importer):
+    a = imp.attrs()
+    x = imp.inp(0)
+    rank = len(imp.shape(x))
+    if imp.opset < 11:
+        pads, value = _ints(a.get("pads")), float(a.get("value", 0.0))
+    else:
+        pads = tuple(int(v) for v in imp.const(1, "pads").reshape(-1))
+        c = imp.const(2, "constant_value")
+        value = 0.0 if c is None or c.size == 0 else float(c.reshape(-1)[0])
+        axes_c = imp.const(3, "axes")
+        if axes_c is not None:
+            axes = [int(v) % rank for v in axes_c.reshape(-1)]
+            full = [0] * (2 * rank)
+            for k, ax in enumerate(axes):
+                full[ax], full[rank + ax] = pads[k], pads[len(axes) + k]
+            pads = tuple(full)
+    if pads is None or len(pads) != 2 * rank:
+        raise imp.fail(f"pads {list(pads or ())} must have 2 entries per axis ({2 * rank})")
+    mode = a.get("mode", "constant")
+    if mode not in ("constant", "reflect", "edge"):
+        raise imp.fail(f"mode {mode!r} is not supported (constant, reflect, edge)")
+    if not any(pads):
+        return x
+    return imp.emit("pad", [x], before=pads[:rank], after=pads[rank:], mode=mode, value=value)
+
+
+def _tile(imp: _Importer):
+    x = imp.inp(0)
+    reps = tuple(int(v) for v in imp.const(1, "repeats").reshape(-1))
+    if isinstance(x, np.ndarray):
+        return contiguous(np.tile(x, reps))
+    if all(r == 1 for r in reps):
+        return x
+    return imp.emit("tile", [x], repeats=reps)
+
+
+def _split(imp: _Importer) -> tuple[_Value, ...]:
+    """Split: one strided slice per output (named as the node's outputs)."""
+    a = imp.attrs()
+    x = imp.inp(0)
+    shape = imp.shape(x)
+    axis = int(a.get("axis", 0)) % len(shape)
+    outs = [o for o in imp.node.output]
+    if imp.opset < 13 and "split" in a:
+        sizes = list(_ints(a["split"]))
+    elif imp.opset >= 13 and len(imp.node.input) > 1 and imp.node.input[1]:
+        sizes = [int(v) for v in imp.const(1, "split").reshape(-1)]
+    else:
+        n = len(outs)
+        step = -(-shape[axis] // n)                 # ONNX: equal parts, the last one smaller
+        sizes = [min(step, shape[axis] - k * step) for k in range(n)]
+    if len(sizes) != len(outs) or sum(sizes) != shape[axis] or min(sizes) < 0:
+        raise imp.fail(f"split sizes {sizes} must be one per output ({len(outs)}) and add up to {shape[axis]}")
+    results, start = [], 0
+    for size, name in zip(sizes, outs):
+        begin, end, step_ = [0] * len(shape), list(shape), [1] * len(shape)
+        begin[axis], end[axis] = start, start + size
+        start += size
+        if isinstance(x, np.ndarray):
+            results.append(contiguous(x[tuple(slice(b, e) for b, e in zip(begin, end))]))
+        elif size == 0:
+            raise imp.fail(f"output {name!r} would be empty")
+        else:
+            results.append(imp.emit("slice", [x], output=name or None, begin=tuple(begin), end=tuple(end),
+                                    step=tuple(step_)))
+    return tuple(results)
+
+
+def _instance_norm(imp: _Importer):
+    """InstanceNormalization as a layer norm over each (n, c)'s spatial values, then the per-channel
+    scale and bias."""
+    a = imp.attrs()
+    x, scale, bias = imp.inp(0), imp.inp(1), imp.inp(2)
+    shape = imp.shape(x)
+    if len(shape) < 3:
+        raise imp.fail(f"needs N, C and spatial axes, got {list(shape)}")
+    n, c, inner = shape[0], shape[1], math.prod(shape[2:])
+    dt = imp.dtype(x)
+    flat = imp.emit("reshape", [x], output=f"{imp.node_label}.flatten", shape=(n, c, inner))
+    y = imp.emit("layer_norm", [flat, np.ones(inner, dt), np.zeros(inner, dt)], output=f"{imp.node_label}.norm",
+                 axis=-1, epsilon=float(a.get("epsilon", 1e-5)))
+    y = imp.emit("reshape", [y], output=f"{imp.node_label}.unflatten", shape=shape)
+    channel = (c,) + (1,) * (len(shape) - 2)
+    as_channel = [v.reshape(channel) if isinstance(v, np.ndarray) else
+                  imp.emit("reshape", [v], output=f"{imp.node_label}.{what}", shape=channel)
+                  for v, what in ((scale, "scale"), (bias, "bias"))]
+    y = imp.emit("mul", [y, as_channel[0]], output=f"{imp.node_label}.scaled")
+    return imp.emit("add", [y, as_channel[1]])
 
 
 def _unary(op: str) -> Callable:
@@ -712,6 +929,13 @@ CONVERTERS: dict[str, Callable[[_Importer], object]] = {
     "Relu": _unary("relu"), "Sigmoid": _unary("sigmoid"), "Tanh": _unary("tanh"), "Exp": _unary("exp"),
     "Log": _unary("log"), "Sqrt": _unary("sqrt"), "Erf": _unary("erf"), "Neg": _unary("neg"), "Abs": _unary("abs"),
     "Gelu": _gelu, "Clip": _clip,
+    "Sum": _sum(mean=False), "Mean": _sum(mean=True), "PRelu": _prelu,
+    "LeakyRelu": _activation("leaky_relu", ("alpha", "alpha")), "Elu": _activation("elu", ("alpha", "alpha")),
+    "Selu": _activation("selu", ("alpha", "alpha"), ("gamma", "gamma")), "Softplus": _activation("softplus"),
+    "HardSigmoid": _activation("hard_sigmoid", ("alpha", "alpha"), ("beta", "beta")),
+    "HardSwish": _activation("hard_swish"), "Reciprocal": _activation("reciprocal"),
+    "LogSoftmax": lambda imp: _softmax(imp, "log_softmax"), "LRN": _lrn,
+    "InstanceNormalization": _instance_norm, "Pad": _pad, "Tile": _tile, "Split": _split,
     "Reshape": _reshape, "Flatten": _flatten, "Squeeze": _squeeze, "Unsqueeze": _unsqueeze,
     "Transpose": _transpose, "Concat": _concat, "Gather": _gather, "Slice": _slice,
     "Identity": _identity, "Dropout": _dropout, "Constant": _constant, "Shape": _shape, "Cast": _cast,
@@ -729,6 +953,9 @@ CONVERTERS: dict[str, Callable[[_Importer], object]] = {
     "Where": _const_only(lambda imp, ins: np.where(ins[0], ins[1], ins[2])),
     "Expand": _const_only(lambda imp, ins: ins[0] * np.ones(tuple(int(v) for v in ins[1]), dtype=ins[0].dtype)),
 }
+
+
+MULTI_OUTPUT = {"Split"}      # converters that return one value per node output
 
 
 def supported_ops_table() -> str:

@@ -25,13 +25,14 @@ def test_the_readme_op_table_is_the_importers():
 def test_an_unsupported_op_is_refused_as_the_readme_shows(tmp_path):
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper
-    node = helper.make_node("LRN", ["x"], ["y"], size=3)
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="nearest")
+    scales = helper.make_tensor("scales", TensorProto.FLOAT, [4], [1.0, 1.0, 2.0, 2.0])
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])])
-    path = tmp_path / "lrn.onnx"
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])], [scales])
+    path = tmp_path / "resize.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     out = CliRunner().invoke(app, ["extract", str(path)])
     lines = [line for line in out.output.splitlines() if line.strip()]
     assert out.exit_code == 2 and len(lines) == 1, out.output
-    assert lines[0].startswith("error: node LRN_0 (LRN): unsupported op 'LRN'; supported ops: Abs, Add, ")
-    assert "error: node LRN_0 (LRN): unsupported op 'LRN'; supported ops: Abs, Add, ..." in README.read_text()
+    assert lines[0].startswith("error: node Resize_0 (Resize): unsupported op 'Resize'; supported ops: Abs, Add, ")
+    assert "error: node Resize_0 (Resize): unsupported op 'Resize'; supported ops: Abs, Add, ..." in README.read_text()
