@@ -404,6 +404,18 @@ def _unary(node: Node, b: _GroupBuilder) -> Tensor:
     return te.compute(x.shape, lambda *i: fn(x[i]), name=f"T_{node.op}")
 
 
+_COMPARE_FN: dict[str, Callable] = {
+    "equal": lambda x, y: te.compare("eq", x, y), "less": lambda x, y: te.compare("lt", x, y),
+    "greater": lambda x, y: te.compare("gt", x, y), "less_equal": lambda x, y: te.compare("le", x, y),
+    "greater_equal": lambda x, y: te.compare("ge", x, y), "logical_and": lambda x, y: te.compare("and", x, y),
+    "logical_or": lambda x, y: te.compare("or", x, y), "logical_xor": lambda x, y: te.compare("ne", x, y),
+}
+
+
+def _compare(node: Node, b: _GroupBuilder) -> Tensor:
+    return network_ops.broadcast_binary(b.input(0, "lhs"), b.input(1, "rhs"), _COMPARE_FN[node.op], f"T_{node.op}")
+
+
 def _elu_part(v, alpha: float):
     return te.if_then_else(v > 0.0, v, alpha * (te.exp(te.minimum(v, 0.0)) - 1.0))
 
@@ -417,6 +429,16 @@ _ACTIVATION_FN: dict[str, Callable] = {
     "hard_sigmoid": lambda v, a: te.minimum(te.maximum(a["alpha"] * v + a["beta"], 0.0), 1.0),
     "hard_swish": lambda v, a: v * te.minimum(te.maximum(v / 6.0 + 0.5, 0.0), 1.0),
     "reciprocal": lambda v, a: 1.0 / v,
+    "softsign": lambda v, a: v / (1.0 + te.abs(v)),
+    "swish": lambda v, a: v * te.sigmoid(a["alpha"] * v),
+    "thresholded_relu": lambda v, a: te.if_then_else(v > a["alpha"], v, 0.0),
+    "shrink": lambda v, a: te.if_then_else(v < -a["lambd"], v + a["bias"],
+                                           te.if_then_else(v > a["lambd"], v - a["bias"], 0.0)),
+    "sign": lambda v, a: te.if_then_else(v > 0.0, te.const(1.0, v.dtype),
+                                         te.if_then_else(v < 0.0, te.const(-1.0, v.dtype), 0.0)),
+    "floor": lambda v, a: te.floor(v),
+    "ceil": lambda v, a: te.ceil(v),
+    "gelu_tanh": lambda v, a: 0.5 * v * (1.0 + te.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v))),
 }
 
 
@@ -486,8 +508,15 @@ TE_BUILDERS: dict[str, Callable[[Node, _GroupBuilder], Tensor]] = {
                                         n.attrs["bias"]),
     "tile": lambda n, b: network_ops.tile(b.input(0, "data"), n.attrs["repeats"]),
     **{op: _activation for op in _ACTIVATION_FN},
+    **{op: _compare for op in _COMPARE_FN},
+    "logical_not": lambda n, b: (lambda x: te.compute(x.shape, lambda *i: te.compare("eq", x[i], False),
+                                                      name="T_logical_not"))(b.input(0, "data")),
+    "where": lambda n, b: network_ops.where(b.input(0, "cond"), b.input(1, "lhs"), b.input(2, "rhs")),
     "reduce_mean": lambda n, b: network_ops.reduce(b.input(0, "data"), n.attrs["axes"], n.attrs["keepdims"], "mean"),
     "reduce_sum": lambda n, b: network_ops.reduce(b.input(0, "data"), n.attrs["axes"], n.attrs["keepdims"], "sum"),
+    "reduce_max": lambda n, b: network_ops.reduce(b.input(0, "data"), n.attrs["axes"], n.attrs["keepdims"], "max"),
+    "reduce_min": lambda n, b: network_ops.reduce(b.input(0, "data"), n.attrs["axes"], n.attrs["keepdims"], "min"),
+    "broadcast_to": lambda n, b: network_ops.broadcast_to(b.input(0, "data"), n.attrs["shape"]),
     "batch_norm": _batch_norm, "clip": _clip,
     "transpose": lambda n, b: network_ops.transpose(b.input(0, "data"), n.attrs["perm"]),
     "slice": _slice,

@@ -487,10 +487,48 @@ ACTIVATIONS: dict[str, tuple[dict[str, Any], Callable[[np.ndarray, dict], np.nda
     "selu": ({"alpha": 1.67326319217681884765625, "gamma": 1.05070102214813232421875},
              lambda x, a: a["gamma"] * _expm1_where(x, a["alpha"])),
     "softplus": ({}, lambda x, a: np.logaddexp(0.0, x)),
+    "softsign": ({}, lambda x, a: x / (1.0 + np.abs(x))),
+    "swish": ({"alpha": 1.0}, lambda x, a: x / (1.0 + np.exp(-a["alpha"] * x))),
+    "thresholded_relu": ({"alpha": 1.0}, lambda x, a: np.where(x > a["alpha"], x, 0.0)),
+    "shrink": ({"lambd": 0.5, "bias": 0.0}, lambda x, a: np.where(x < -a["lambd"], x + a["bias"],
+                                                                  np.where(x > a["lambd"], x - a["bias"], 0.0))),
+    "sign": ({}, lambda x, a: np.sign(x)),
+    "floor": ({}, lambda x, a: np.floor(x)),
+    "ceil": ({}, lambda x, a: np.ceil(x)),
+    "gelu_tanh": ({}, lambda x, a: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))),
     "hard_sigmoid": ({"alpha": 0.2, "beta": 0.5}, lambda x, a: np.clip(a["alpha"] * x + a["beta"], 0.0, 1.0)),
     "hard_swish": ({}, lambda x, a: x * np.clip(x / 6.0 + 0.5, 0.0, 1.0)),
     "reciprocal": ({}, lambda x, a: 1.0 / x),
 }
+
+
+
+# comparisons and logic on run-time tensors: bool results (numpy broadcasting)
+COMPARISONS = {"equal": np.equal, "less": np.less, "greater": np.greater, "less_equal": np.less_equal,
+               "greater_equal": np.greater_equal, "logical_and": np.logical_and, "logical_or": np.logical_or,
+               "logical_xor": np.logical_xor}
+
+
+def _infer_compare(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+    a, b = ins
+    if a.dtype != b.dtype:
+        raise _fail(node, f"input dtypes differ ({a.dtype} and {b.dtype}); insert a cast")
+    if node.op.startswith("logical_") and a.dtype != "bool":
+        raise _fail(node, f"needs bool inputs, got {a.dtype}")
+    return TensorInfo(broadcast_shapes(node, a.shape, b.shape), "bool")
+
+
+def _infer_not(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+    if ins[0].dtype != "bool":
+        raise _fail(node, f"needs a bool input, got {ins[0].dtype}")
+    return ins[0]
+
+
+def _infer_where(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+    cond, x, y = ins
+    if cond.dtype != "bool" or x.dtype != y.dtype:
+        raise _fail(node, f"needs a bool condition and two values of one dtype, got {cond.dtype}, {x.dtype}, {y.dtype}")
+    return TensorInfo(broadcast_shapes(node, broadcast_shapes(node, cond.shape, x.shape), y.shape), x.dtype)
 
 
 # ------------------------------------------------------------------------------------ normalisation
@@ -589,6 +627,13 @@ def _run_pad(xs: list[np.ndarray], a: dict) -> np.ndarray:
     return np.pad(xs[0], widths, mode=a["mode"])
 
 
+def _infer_broadcast_to(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+    shape = node.attrs["shape"]
+    if broadcast_shapes(node, ins[0].shape, shape) != tuple(shape):
+        raise _fail(node, f"{list(ins[0].shape)} does not broadcast to {list(shape)}")
+    return TensorInfo(tuple(shape), ins[0].dtype)
+
+
 def _infer_tile(node: Node, ins: list[TensorInfo]) -> TensorInfo:
     reps, shape = node.attrs["repeats"], ins[0].shape
     if len(reps) != len(shape) or any(not isinstance(r, int) or r < 1 for r in reps):
@@ -665,7 +710,8 @@ def _register_all() -> None:
                 _run_avg_pool3d)
     register_op("softmax", "anchor", (1, 1), {"axis": -1}, _infer_softmax, _run_softmax)
     register_op("layer_norm", "anchor", (3, 3), {"axis": -1, "epsilon": 1e-5}, _infer_layer_norm, _run_layer_norm)
-    for name, fn in (("reduce_mean", np.mean), ("reduce_sum", np.sum)):
+    for name, fn in (("reduce_mean", np.mean), ("reduce_sum", np.sum), ("reduce_max", np.max),
+                     ("reduce_min", np.min)):
         register_op(name, "anchor", (1, 1), {"axes": REQUIRED, "keepdims": True}, _infer_reduce,
                     lambda xs, a, fn=fn: fn(xs[0], axis=a["axes"], keepdims=bool(a["keepdims"])))
     register_op("batch_norm", "elementwise", (5, 5), {"epsilon": 1e-5}, _infer_batch_norm, _run_batch_norm)
@@ -676,11 +722,17 @@ def _register_all() -> None:
     register_op("clip", "elementwise", (1, 1), {"min": None, "max": None}, _infer_clip, _run_clip)
     for name, (defaults, act) in ACTIVATIONS.items():
         register_op(name, "elementwise", (1, 1), defaults, _infer_unary, lambda xs, a, fn=act: fn(xs[0], a))
+    for name, cmp in COMPARISONS.items():
+        register_op(name, "elementwise", (2, 2), {}, _infer_compare, lambda xs, a, fn=cmp: fn(xs[0], xs[1]))
+    register_op("logical_not", "elementwise", (1, 1), {}, _infer_not, lambda xs, a: np.logical_not(xs[0]))
+    register_op("where", "elementwise", (3, 3), {}, _infer_where, lambda xs, a: np.where(xs[0], xs[1], xs[2]))
     register_op("log_softmax", "anchor", (1, 1), {"axis": -1}, _infer_softmax, _run_log_softmax)
     register_op("lrn", "anchor", (1, 1), {"size": REQUIRED, "alpha": 1e-4, "beta": 0.75, "bias": 1.0},
                 _infer_lrn, _run_lrn)
     register_op("pad", "injective", (1, 1), {"before": REQUIRED, "after": REQUIRED, "mode": "constant", "value": 0.0},
                 _infer_pad, _run_pad)
+    register_op("broadcast_to", "injective", (1, 1), {"shape": REQUIRED}, _infer_broadcast_to,
+                lambda xs, a: np.broadcast_to(xs[0], a["shape"]))
     register_op("tile", "injective", (1, 1), {"repeats": REQUIRED}, _infer_tile,
                 lambda xs, a: np.tile(xs[0], a["repeats"]))
     register_op("reshape", "layout", (1, 1), {"shape": REQUIRED}, _infer_reshape,

@@ -168,10 +168,11 @@ def batch_norm_inference(x: Tensor, gamma: Tensor, beta: Tensor, mean: Tensor, v
 
 
 def reduce(x: Tensor, axes: Sequence[int], keepdims: bool = True, kind: str = "sum", name: str | None = None) -> Tensor:
-    """Sum or mean over `axes` (numpy semantics, keepdims or not)."""
+    """Sum, mean, max or min over `axes` (numpy semantics, keepdims or not)."""
     axes = sorted({a % x.ndim for a in axes})
-    if kind not in ("sum", "mean"):
-        raise ValueError(f"reduce: kind must be 'sum' or 'mean', got {kind!r}")
+    if kind not in ("sum", "mean", "max", "min"):
+        raise ValueError(f"reduce: kind must be 'sum', 'mean', 'max' or 'min', got {kind!r}")
+    combine = {"max": te.max, "min": te.min}.get(kind, te.sum)
     red = {a: te.reduce_axis(x.shape[a], f"k{a}") for a in axes}
     keep = [d for d in range(x.ndim) if d not in red]
     shape = tuple(1 if d in red else x.shape[d] for d in range(x.ndim)) if keepdims else tuple(x.shape[d] for d in keep)
@@ -185,9 +186,9 @@ def reduce(x: Tensor, axes: Sequence[int], keepdims: bool = True, kind: str = "s
         else:
             it = iter(i)
             idx = tuple(red[d] if d in red else next(it) for d in range(x.ndim))
-        return te.sum(x[idx], axis=[red[a] for a in axes])
-    total = te.compute(shape, f, name=name or f"T_reduce_{kind}" if kind == "sum" else "T_reduce_sum")
-    if kind == "sum":
+        return combine(x[idx], axis=[red[a] for a in axes])
+    total = te.compute(shape, f, name=name or f"T_reduce_{kind}" if kind != "mean" else "T_reduce_sum")
+    if kind != "mean":
         return total
     return te.compute(shape, lambda *i: total[i] / float(count), name=name or "T_reduce_mean")
 
@@ -318,3 +319,19 @@ def pool3d_ncdhw(data: Tensor, kernel: Sequence[int], strides: Sequence[int], pa
             n_in = span if n_in is None else n_in * span
         return te.cast(data.dtype, n_in)
     return te.compute(shape, lambda b, cc, *sp: total[(b, cc) + sp] / count(*sp), name=name or "pool3d_avg")
+
+
+def broadcast_to(x: Tensor, shape: Sequence[int], name: str = "T_broadcast_to") -> Tensor:
+    """x repeated along its size-1 (and missing leading) axes to `shape` (numpy broadcasting)."""
+    shape = tuple(shape)
+    if broadcast_shape(x.shape, shape) != shape:
+        raise ValueError(f"broadcast_to: {list(x.shape)} does not broadcast to {list(shape)}")
+    return te.compute(shape, lambda *i: x[_broadcast_index(x, i, shape)], name=name)
+
+
+def where(cond: Tensor, x: Tensor, y: Tensor, name: str = "T_where") -> Tensor:
+    """x where cond else y, the three broadcast together (numpy's where)."""
+    shape = broadcast_shape(broadcast_shape(cond.shape, x.shape), y.shape)
+    return te.compute(shape, lambda *i: te.if_then_else(cond[_broadcast_index(cond, i, shape)],
+                                                        x[_broadcast_index(x, i, shape)],
+                                                        y[_broadcast_index(y, i, shape)]), name=name)

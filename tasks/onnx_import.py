@@ -16,6 +16,7 @@ import numpy as np
 
 from tensortune.tasks.graph import Graph, GraphBuilder, contiguous
 from tensortune.tasks.graph_ops import GraphError, Node, TensorInfo, infer_node, run_node
+from tensortune.tasks.onnx_functions import expand_functions
 
 
 class OnnxImportError(ValueError):
@@ -78,7 +79,7 @@ def _parse(onnx, data: bytes, where: str):
 
 def import_onnx(source, input_shapes: Mapping[str, Sequence[int]] | None = None, name: str | None = None) -> Graph:
     """Import an ONNX model as a Graph; `input_shapes` fixes inputs whose dimensions are symbolic."""
-    model = load_model(source)
+    model = expand_functions(load_model(source), set(CONVERTERS))
     return _Importer(model, dict(input_shapes or {}), name).run()
 
 
@@ -447,7 +448,33 @@ def _batch_norm(imp: _Importer):
     return imp.emit("batch_norm", [imp.inp(i) for i in range(5)], epsilon=float(a.get("epsilon", 1e-5)))
 
 
+def _layer_norm_with_stats(imp: _Importer) -> tuple[_Value, _Value, _Value]:
+    """LayerNormalization whose Mean and InvStdDev outputs are used: the statistics as their own
+    reductions (keepdims, as ONNX gives them), then Y from them."""
+    a = imp.attrs()
+    x = imp.inp(0)
+    shape = imp.shape(x)
+    axis = int(a.get("axis", -1)) % len(shape)
+    axes = tuple(range(axis, len(shape)))
+    eps = np.asarray(float(a.get("epsilon", 1e-5)), dtype=imp.dtype(x))
+    label = imp.node_label
+    out = list(imp.node.output) + ["", ""]
+    mean = imp.emit("reduce_mean", [x], output=out[1] or f"{label}.mean", axes=axes, keepdims=True)
+    d = imp.emit("sub", [x, mean], output=f"{label}.centered")
+    var = imp.emit("reduce_mean", [imp.emit("mul", [d, d], output=f"{label}.squares")], output=f"{label}.var",
+                   axes=axes, keepdims=True)
+    std = imp.emit("sqrt", [imp.emit("add", [var, eps], output=f"{label}.var_eps")], output=f"{label}.std")
+    inv = imp.emit("reciprocal", [std], output=out[2] or f"{label}.inv_std")
+    y = imp.emit("mul", [imp.emit("mul", [d, inv], output=f"{label}.normed"), imp.inp(1)],
+                 output=f"{label}.scaled" if len(imp.node.input) > 2 and imp.node.input[2] else out[0] or None)
+    if len(imp.node.input) > 2 and imp.node.input[2]:
+        y = imp.emit("add", [y, imp.inp(2)], output=out[0] or None)
+    return y, mean, inv
+
+
 def _layer_norm(imp: _Importer):
+    if any(o and o in imp.used for o in imp.node.output[1:]):
+        return _layer_norm_with_stats(imp)
     a = imp.attrs()
     x = imp.inp(0)
     shape = imp.shape(x)
@@ -576,6 +603,52 @@ def _activation(op: str, *names: tuple[str, str]) -> Callable:
     return convert
 
 
+def _rms_norm(imp: _Importer):
+    """RMSNormalization: x / sqrt(mean(x^2 over axis..) + epsilon) * scale."""
+    a = imp.attrs()
+    x = imp.inp(0)
+    shape = imp.shape(x)
+    axes = tuple(range(int(a.get("axis", -1)) % len(shape), len(shape)))
+    label = imp.node_label
+    ms = imp.emit("reduce_mean", [imp.emit("mul", [x, x], output=f"{label}.squares")], output=f"{label}.mean_square",
+                  axes=axes, keepdims=True)
+    rms = imp.emit("sqrt", [imp.emit("add", [ms, np.asarray(float(a.get("epsilon", 1e-5)), dtype=imp.dtype(x))],
+                                     output=f"{label}.eps")], output=f"{label}.rms")
+    return imp.emit("mul", [imp.emit("div", [x, rms], output=f"{label}.normed"), imp.inp(1)])
+
+
+def _expand(imp: _Importer):
+    """Expand: numpy broadcasting of the input and the (constant) shape, both ways."""
+    x = imp.inp(0)
+    target = tuple(int(v) for v in imp.const(1, "shape").reshape(-1))
+    xs = imp.shape(x)
+    rank = max(len(xs), len(target))
+    a, b = (1,) * (rank - len(xs)) + tuple(xs), (1,) * (rank - len(target)) + target
+    if any(p != q and 1 not in (p, q) for p, q in zip(a, b)):
+        raise imp.fail(f"shape {list(xs)} cannot be expanded to {list(target)}")
+    out = tuple(max(p, q) for p, q in zip(a, b))
+    if isinstance(x, np.ndarray):
+        return contiguous(np.broadcast_to(x, out))
+    return x if out == tuple(xs) else imp.emit("broadcast_to", [x], shape=out)
+
+
+def _cast_like(imp: _Importer):
+    x, to = imp.inp(0), imp.dtype(imp.inp(1))
+    if isinstance(x, np.ndarray):
+        return x.astype(to)
+    if imp.dtype(x) == to:
+        return x
+    raise imp.fail(f"casting a run-time tensor from {imp.dtype(x)} to {to} is not supported")
+
+
+def _global_max_pool(imp: _Importer):
+    x = imp.inp(0)
+    rank = len(imp.shape(x))
+    if rank < 3:
+        raise imp.fail(f"needs N, C and spatial axes, got {list(imp.shape(x))}")
+    return imp.emit("reduce_max", [x], axes=tuple(range(2, rank)), keepdims=True)
+
+
 def _lrn(imp: _Importer):
     a = imp.attrs()
     if "size" not in a:
@@ -675,15 +748,23 @@ def _instance_norm(imp: _Importer):
     return imp.emit("add", [y, as_channel[1]])
 
 
+_INTEGER_UNARY = {"neg": np.negative, "abs": np.abs}       # on integer constants (shape arithmetic)
+
+
 def _unary(op: str) -> Callable:
-    return lambda imp: imp.emit(op, [imp.inp(0)])
+    def convert(imp: _Importer):
+        x = imp.inp(0)
+        if isinstance(x, np.ndarray) and x.dtype.kind in "iu" and op in _INTEGER_UNARY:
+            return contiguous(_INTEGER_UNARY[op](x))
+        return imp.emit(op, [x])
+    return convert
 
 
 def _gelu(imp: _Importer):
     approx = imp.attrs().get("approximate", "none")
-    if approx != "none":
-        raise imp.fail(f"approximate={approx!r} is not supported (only 'none', the erf form)")
-    return imp.emit("gelu", [imp.inp(0)])
+    if approx not in ("none", "tanh"):
+        raise imp.fail(f"approximate={approx!r} is not supported (only 'none', the erf form, and 'tanh')")
+    return imp.emit("gelu" if approx == "none" else "gelu_tanh", [imp.inp(0)])
 
 
 def _clip(imp: _Importer):
@@ -691,6 +772,14 @@ def _clip(imp: _Importer):
     if imp.opset < 11:
         lo, hi = a.get("min"), a.get("max")
     else:
+        bounds = [imp.inp(i) if len(imp.node.input) > i and imp.node.input[i] else None for i in (1, 2)]
+        if any(isinstance(v, str) for v in bounds):          # bounds computed at run time
+            y = imp.inp(0)
+            for k, (op, v) in enumerate((("maximum", bounds[0]), ("minimum", bounds[1]))):
+                if v is not None:
+                    last = k == 1 or bounds[1] is None
+                    y = imp.emit(op, [y, v], output=None if last else f"{imp.node_label}.{op}")
+            return y
         lo_c, hi_c = imp.const(1, "min"), imp.const(2, "max")
         lo = None if lo_c is None else float(lo_c.reshape(()))
         hi = None if hi_c is None else float(hi_c.reshape(()))
@@ -730,7 +819,10 @@ def _reshape(imp: _Importer):
 def _flatten(imp: _Importer):
     x = imp.inp(0)
     shape = imp.shape(x)
-    axis = int(imp.attrs().get("axis", 1)) % (len(shape) + 1) if shape else 0
+    axis = int(imp.attrs().get("axis", 1))
+    if not -len(shape) <= axis <= len(shape):
+        raise imp.fail(f"axis {axis} is outside [-{len(shape)}, {len(shape)}] for a rank-{len(shape)} input")
+    axis = axis + len(shape) if axis < 0 else axis        # ONNX: a negative axis counts from the back, r + axis
     return _reshape_to(imp, x, (math.prod(shape[:axis]), math.prod(shape[axis:])))
 
 
@@ -837,7 +929,7 @@ def _slice(imp: _Importer):
 
 
 def _reduce(op: str, axes_input_from: int) -> Callable:
-    """ReduceMean/ReduceSum: axes from the attribute (older opsets) or the second input."""
+    """ReduceMean/Sum/Max/Min: axes from the attribute (older opsets) or the second input."""
     def convert(imp: _Importer):
         a = imp.attrs()
         x = imp.inp(0)
@@ -853,7 +945,7 @@ def _reduce(op: str, axes_input_from: int) -> Callable:
             axes = tuple(range(rank))
         keep = bool(int(a.get("keepdims", 1)))
         if isinstance(x, np.ndarray):
-            fn = np.mean if op == "reduce_mean" else np.sum
+            fn = {"reduce_mean": np.mean, "reduce_sum": np.sum, "reduce_max": np.max, "reduce_min": np.min}[op]
             return np.asarray(fn(x, axis=axes, keepdims=keep), dtype=x.dtype)
         return imp.emit(op, [x], axes=axes, keepdims=keep)
     return convert
@@ -912,6 +1004,17 @@ def _const_only(fn: Callable) -> Callable:
     return convert
 
 
+def _folded_or(op: str, fn: Callable) -> Callable:
+    """Folded with numpy when every input is a constant (shape arithmetic keeps its integer dtypes),
+    else the graph op `op` on run-time tensors."""
+    def convert(imp: _Importer):
+        ins = [imp.inp(i) for i in range(len(imp.node.input))]
+        if all(isinstance(v, np.ndarray) for v in ins):
+            return contiguous(np.asarray(fn(*ins)))
+        return imp.emit(op, ins)
+    return convert
+
+
 def _constant_of_shape(imp: _Importer, ins):
     a = imp.attrs()
     value = imp.onnx.numpy_helper.to_array(a["value"]).reshape(-1)[0] if "value" in a else np.float32(0)
@@ -936,26 +1039,35 @@ CONVERTERS: dict[str, Callable[[_Importer], object]] = {
     "HardSwish": _activation("hard_swish"), "Reciprocal": _activation("reciprocal"),
     "LogSoftmax": lambda imp: _softmax(imp, "log_softmax"), "LRN": _lrn,
     "InstanceNormalization": _instance_norm, "Pad": _pad, "Tile": _tile, "Split": _split,
+    "ReduceMax": _reduce("reduce_max", 18), "ReduceMin": _reduce("reduce_min", 18),
+    "GlobalMaxPool": _global_max_pool, "RMSNormalization": _rms_norm, "Expand": _expand, "CastLike": _cast_like,
+    "Softsign": _activation("softsign"), "Swish": _activation("swish", ("alpha", "alpha")),
+    "ThresholdedRelu": _activation("thresholded_relu", ("alpha", "alpha")),
+    "Shrink": _activation("shrink", ("lambd", "lambd"), ("bias", "bias")), "Sign": _activation("sign"),
+    "Floor": _activation("floor"), "Ceil": _activation("ceil"),
+    "Size": lambda imp: np.asarray(math.prod(imp.shape(imp.inp(0))), dtype=np.int64),
+    "And": _folded_or("logical_and", np.logical_and),
+    "Or": _folded_or("logical_or", np.logical_or),
+    "Xor": _folded_or("logical_xor", np.logical_xor),
     "Reshape": _reshape, "Flatten": _flatten, "Squeeze": _squeeze, "Unsqueeze": _unsqueeze,
     "Transpose": _transpose, "Concat": _concat, "Gather": _gather, "Slice": _slice,
     "Identity": _identity, "Dropout": _dropout, "Constant": _constant, "Shape": _shape, "Cast": _cast,
     "ConstantOfShape": _const_only(_constant_of_shape),
     "Range": _const_only(lambda imp, ins: np.arange(ins[0].reshape(()), ins[1].reshape(()), ins[2].reshape(()))),
-    "Equal": _const_only(lambda imp, ins: np.equal(ins[0], ins[1])),
-    "Less": _const_only(lambda imp, ins: np.less(ins[0], ins[1])),
-    "Greater": _const_only(lambda imp, ins: np.greater(ins[0], ins[1])),
-    "Not": _const_only(lambda imp, ins: np.logical_not(ins[0])),
+    "Equal": _folded_or("equal", np.equal),
+    "Less": _folded_or("less", np.less),
+    "Greater": _folded_or("greater", np.greater),
+    "LessOrEqual": _folded_or("less_equal", np.less_equal),
+    "GreaterOrEqual": _folded_or("greater_equal", np.greater_equal),
+    "Not": _folded_or("logical_not", np.logical_not),
     "Mod": _const_only(lambda imp, ins: np.fmod(ins[0], ins[1]) if imp.attrs().get("fmod", 0)
                        else np.mod(ins[0], ins[1])),
-    "Floor": _const_only(lambda imp, ins: np.floor(ins[0])),
-    "Ceil": _const_only(lambda imp, ins: np.ceil(ins[0])),
     "ReduceProd": _const_only(lambda imp, ins: np.prod(ins[0], keepdims=bool(imp.attrs().get("keepdims", 1)))),
-    "Where": _const_only(lambda imp, ins: np.where(ins[0], ins[1], ins[2])),
-    "Expand": _const_only(lambda imp, ins: ins[0] * np.ones(tuple(int(v) for v in ins[1]), dtype=ins[0].dtype)),
+    "Where": _folded_or("where", np.where),
 }
 
 
-MULTI_OUTPUT = {"Split"}      # converters that return one value per node output
+MULTI_OUTPUT = {"Split", "LayerNormalization"}      # converters that return one value per node output
 
 
 def supported_ops_table() -> str:

@@ -3,24 +3,27 @@ import -> extract -> build with default schedules (LLVM) -> run -> compare with 
 ONNX's tolerances (issue 22).
 
 The `pytorch-converted` and `pytorch-operator` suites (small graphs, random inputs stored with their
-expected outputs) and the `light` model zoo (nine CNNs at 224x224 with light weights, run on ONNX's
-dummy inputs; 1-9 s each) all run in the default suite. The cases expected to fail are listed with the
+expected outputs), the `light` model zoo (nine CNNs at 224x224 with light weights, run on ONNX's
+dummy inputs; 1-9 s each) and ONNX's node test cases with float32 inputs and outputs (built by
+onnx's own `expect` functions) all run in the default suite. The cases expected to fail are listed with the
 error each must give: a clear OnnxImportError, never a crash or a wrong answer.
 """
 from __future__ import annotations
 
 import pathlib
+import warnings
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnx.backend.test.case.node import collect_testcases
 from onnx.reference import ReferenceEvaluator
 
 from tensortune.codegen.network_runtime import build_network
 from tensortune.codegen.target import make_task
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
-from tensortune.tasks.extract import extract_tasks
+from tensortune.tasks.extract import ExtractError, extract_tasks
 from tensortune.tasks.onnx_import import OnnxImportError, import_onnx
 from tests.conftest import check_state
 
@@ -232,3 +235,44 @@ def test_search_programs_of_the_new_ops_are_correct(case):
     assert programs, f"no program could be sampled for {case}"
     for k, c in enumerate(programs):
         check_state(c.state, seed=k)
+
+
+# ----------------------------------------------------------------- ONNX's node test cases
+
+def _float32_only(case) -> bool:
+    values = list(case.model.graph.input) + list(case.model.graph.output)
+    return all(v.type.HasField("tensor_type") and v.type.tensor_type.elem_type == TensorProto.FLOAT for v in values)
+
+
+def _node_cases() -> list:
+    """onnx's node test cases (built by their `expect` functions, as onnx's own backend test does) whose
+    inputs and outputs are all float32: 751 with onnx 1.23."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # the expect functions divide by zero on purpose
+        return [c for c in collect_testcases(None) if c.model is not None and _float32_only(c)]
+
+
+NODE_CASES = _node_cases()
+NODE_EXPECTED_FAIL = {line.strip() for line in (pathlib.Path(__file__).parent / "data" /
+                                                 "onnx_node_expected_failures.txt").read_text().splitlines()
+                      if line.strip() and not line.startswith("#")}
+
+
+@pytest.mark.parametrize("case", NODE_CASES, ids=lambda c: c.name)
+def test_node_case(case):
+    inputs, outputs = case.data_sets[0]
+    arrays = [np.asarray(x) for x in inputs]
+    if case.name in NODE_EXPECTED_FAIL:
+        with pytest.raises((OnnxImportError, ExtractError)) as err:
+            _run(case.model, arrays)
+        assert "\n" not in str(err.value)
+        return
+    got = _run(case.model, arrays)
+    for g, e in zip(got, outputs):
+        np.testing.assert_allclose(g, np.asarray(e), rtol=case.rtol, atol=case.atol)
+
+
+def test_node_expected_failures_are_real_cases_and_few_enough():
+    names = {c.name for c in NODE_CASES}
+    assert NODE_EXPECTED_FAIL <= names
+    assert len(names - NODE_EXPECTED_FAIL) >= 500        # issue 22's bar: 500 of the 751 pass

@@ -235,8 +235,8 @@ def test_unsupported_forms_fail_clearly():
          r"node c4d \(Conv\): only 1-D, 2-D and 3-D spatial ops"),
         (_one_node(helper.make_node("Cast", ["x"], ["y"], to=TensorProto.INT32, name="cast"), [_vi("x", [2, 2])],
                    [_vi("y", [2, 2], TensorProto.INT32)]), r"casting a run-time tensor from float32 to int32"),
-        (_one_node(helper.make_node("Gelu", ["x"], ["y"], approximate="tanh", name="g"), [_vi("x", [2, 2])],
-                   [_vi("y", [2, 2])], opset=20), r"approximate='tanh' is not supported"),
+        (_one_node(helper.make_node("Pad", ["x", "p"], ["y"], mode="wrap", name="pw"), [_vi("x", [2, 2])],
+                   [_vi("y", [2, 4])], [_const("p", [0, 1, 0, 1])], opset=19), r"mode 'wrap' is not supported"),
         (_one_node(helper.make_node("Reshape", ["x", "s"], ["y"], name="r"), [_vi("x", [2, 3])], [_vi("y", [5])],
                    [_const("s", [5])]), r"node r \(Reshape\): cannot reshape \[2, 3\] \(6 elements\) to \[5\]"),
     ]
