@@ -108,7 +108,7 @@ class _Function:
 
 
 class _Module:
-    def __init__(self):
+    def __init__(self) -> None:
         self.decls: dict[str, str] = {}
         self.functions: list[_Function] = []
 
