@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, overload
 
 import numpy as np
 
 from tensortune.tasks.graph import Graph, GraphBuilder, contiguous
 from tensortune.tasks.graph_ops import GraphError, Node, TensorInfo, infer_node, run_node
+
+if TYPE_CHECKING:
+    import onnx
 
 
 class OnnxImportError(ValueError):
@@ -30,7 +33,7 @@ def _onnx():
     return onnx
 
 
-def load_model(source) -> "onnx.ModelProto":  # noqa: F821 - onnx is imported lazily (_onnx)
+def load_model(source) -> onnx.ModelProto:
     """Load and check a model from a path, bytes or a ModelProto; malformed input fails clearly."""
     onnx = _onnx()
     if isinstance(source, onnx.ModelProto):
@@ -88,7 +91,7 @@ _Value = str | np.ndarray        # a graph value name, or a constant known at im
 
 
 class _Importer:
-    def __init__(self, model, input_shapes: dict, name: str | None):
+    def __init__(self, model: onnx.ModelProto, input_shapes: dict, name: str | None):
         self.onnx = _onnx()
         self.model = model
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
@@ -98,10 +101,17 @@ class _Importer:
         self.materialized: dict[int, tuple[np.ndarray, str]] = {}   # id -> (array kept alive, value name)
         self.onnx_names: dict[int, str] = {}                         # id of an initializer -> its ONNX name
         self.input_shapes = input_shapes
-        self.node: object = None
+        self._node: onnx.NodeProto | None = None
         self.node_label = ""
         self.out_name = ""      # the ONNX name of the current node's output: its last emitted value gets it
         self.used: set[str] = set()
+
+    @property
+    def node(self) -> onnx.NodeProto:
+        """The node being converted (converters and errors run only while there is one)."""
+        if self._node is None:
+            raise OnnxImportError("no ONNX node is being converted")
+        return self._node
 
     # ------------------------------------------------------------------ errors and values
 
@@ -121,6 +131,13 @@ class _Importer:
         v = self.value(self.node.input[i])
         if not isinstance(v, np.ndarray):
             raise self.fail(f"{what} (input {i}) must be a constant known at import time, not computed at run time")
+        return v
+
+    def required_const(self, i: int, what: str) -> np.ndarray:
+        """Input i as a constant; an error when it is absent or computed at run time."""
+        v = self.const(i, what)
+        if v is None:
+            raise self.fail(f"missing required input {i} ({what})")
         return v
 
     def inp(self, i: int) -> _Value:
@@ -144,11 +161,12 @@ class _Importer:
 
     def emit(self, op: str, inputs: Sequence[_Value], output: str | None = None, **attrs) -> _Value:
         """Add a graph node, or evaluate it now when every input is a constant (constant folding)."""
-        if all(isinstance(v, np.ndarray) for v in inputs):
-            node = Node("fold", op, tuple(f"c{i}" for i in range(len(inputs))), "out", dict(attrs))
+        arrays = [v for v in inputs if isinstance(v, np.ndarray)]
+        if len(arrays) == len(inputs):
+            node = Node("fold", op, tuple(f"c{i}" for i in range(len(arrays))), "out", dict(attrs))
             try:
-                info = infer_node(node, [TensorInfo(tuple(v.shape), str(v.dtype)) for v in inputs])
-                wide = [v.astype(np.float64) if v.dtype.kind == "f" else v for v in inputs]
+                info = infer_node(node, [TensorInfo(tuple(v.shape), str(v.dtype)) for v in arrays])
+                wide = [v.astype(np.float64) if v.dtype.kind == "f" else v for v in arrays]
                 return contiguous(run_node(node, wide).astype(info.dtype))
             except GraphError as err:
                 raise self.fail(str(err)) from None
@@ -195,15 +213,15 @@ class _Importer:
                 if not tt.HasField("shape"):
                     raise OnnxImportError(f"graph input {vi.name!r} has no shape; pass input_shapes="
                                           f"{{{vi.name!r}: (...)}}")
-                shape = []
+                dims: list[int] = []
                 for d, dim in enumerate(tt.shape.dim):
                     if dim.HasField("dim_value") and dim.dim_value > 0:
-                        shape.append(int(dim.dim_value))
+                        dims.append(int(dim.dim_value))
                     else:
                         sym = dim.dim_param or "?"
                         raise OnnxImportError(f"graph input {vi.name!r} has a symbolic dimension {sym!r} (axis {d}); "
                                               f"pass input_shapes={{{vi.name!r}: (...)}} with concrete sizes")
-                shape = tuple(shape)
+                shape = tuple(dims)
             if any(s <= 0 for s in shape):
                 raise OnnxImportError(f"graph input {vi.name!r}: shape {list(shape)} must be positive")
             self.env[vi.name] = self.b.input(vi.name, shape, dtype)
@@ -220,7 +238,7 @@ class _Importer:
         self.used.update(o.name for o in g.output)
         seen_labels: set[str] = set()
         for k, node in enumerate(g.node):
-            self.node = node
+            self._node = node
             label = node.name or f"{node.op_type}_{k}"
             while label in seen_labels or label in self.b.values:
                 label = f"{label}_{k}"
@@ -257,10 +275,25 @@ class _Importer:
 
 # ---------------------------------------------------------------------------------- converters
 
-def _ints(v, default=None) -> tuple[int, ...]:
+def _int_tuple(v: Iterable[Any]) -> tuple[int, ...]:
+    return tuple(int(x) for x in v)
+
+
+@overload
+def _ints(v: Any, default: tuple[int, ...]) -> tuple[int, ...]: ...
+@overload
+def _ints(v: Any, default: None = None) -> tuple[int, ...] | None: ...
+def _ints(v: Any, default: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
+    """An ints attribute as a tuple; `default` when it is absent (None)."""
     if v is None:
         return default
-    return tuple(int(x) for x in v)
+    return _int_tuple(v)
+
+
+def _required_ints(imp: _Importer, a: dict, name: str) -> tuple[int, ...]:
+    if a.get(name) is None:
+        raise imp.fail(f"missing required attribute {name!r}")
+    return _int_tuple(a[name])
 
 
 def _auto_pad(imp: _Importer, a: dict, in_hw, k_hw, s_hw, d_hw) -> tuple[int, int, int, int]:
@@ -311,17 +344,18 @@ def _conv_transpose(imp: _Importer):
     s, d = _ints(a.get("strides"), default=(1, 1)), _ints(a.get("dilations"), default=(1, 1))
     op = _ints(a.get("output_padding"), default=(0, 0))
     mode = a.get("auto_pad", "NOTSET")
+    pads: tuple[int, ...]                             # (top, left, bottom, right)
     if "output_shape" in a or mode in ("SAME_UPPER", "SAME_LOWER"):
         in_hw = imp.shape(x)[2:]
-        target = _ints(a.get("output_shape"))[-2:] if "output_shape" in a else tuple(v * st for v, st in zip(in_hw, s))
-        pads = []
+        target = _int_tuple(a["output_shape"])[-2:] if "output_shape" in a else tuple(v * st for v, st in zip(in_hw, s))
+        halves = []                                   # (begin, end) per spatial dim
         for size, k, st, dl, o, t in zip(in_hw, (kh, kw), s, d, op, target):
             total = st * (size - 1) + o + ((k - 1) * dl + 1) - t
             if total < 0:
                 raise imp.fail(f"output_shape {list(target)} is larger than the op can produce")
             lo = total // 2 if mode == "SAME_UPPER" else total - total // 2   # as the ONNX spec says
-            pads.append((lo, total - lo))
-        pads = (pads[0][0], pads[1][0], pads[0][1], pads[1][1])
+            halves.append((lo, total - lo))
+        pads = (halves[0][0], halves[1][0], halves[0][1], halves[1][1])
     elif mode in ("NOTSET", "", "VALID"):
         pads = (0, 0, 0, 0) if mode == "VALID" else _ints(a.get("pads"), default=(0, 0, 0, 0))
     else:
@@ -491,9 +525,9 @@ def _reshape_to(imp: _Importer, x: _Value, shape: tuple[int, ...]):
 def _reshape(imp: _Importer):
     x = imp.inp(0)
     if imp.opset < 5:
-        target = list(_ints(imp.attrs().get("shape")))
+        target = list(_required_ints(imp, imp.attrs(), "shape"))
     else:
-        target = [int(v) for v in imp.const(1, "shape").reshape(-1)]
+        target = [int(v) for v in imp.required_const(1, "shape").reshape(-1)]
     allowzero = int(imp.attrs().get("allowzero", 0))
     in_shape = imp.shape(x)
     out = [in_shape[i] if v == 0 and not allowzero else v for i, v in enumerate(target)]
@@ -531,11 +565,11 @@ def _squeeze(imp: _Importer):
     axes = _axes(imp)
     if axes is None:
         axes = tuple(i for i, s in enumerate(shape) if s == 1)
-    axes = {a % len(shape) for a in axes}
-    bad = [a for a in axes if shape[a] != 1]
+    drop = {a % len(shape) for a in axes}
+    bad = [a for a in drop if shape[a] != 1]
     if bad:
         raise imp.fail(f"cannot squeeze axes {bad} of shape {list(shape)}: they are not 1")
-    return _reshape_to(imp, x, tuple(s for i, s in enumerate(shape) if i not in axes))
+    return _reshape_to(imp, x, tuple(s for i, s in enumerate(shape) if i not in drop))
 
 
 def _unsqueeze(imp: _Importer):
@@ -591,13 +625,13 @@ def _slice(imp: _Importer):
     x = imp.inp(0)
     shape = imp.shape(x)
     if imp.opset < 10:
-        a = imp.attrs()
-        starts, ends = list(_ints(a["starts"])), list(_ints(a["ends"]))
-        axes = list(_ints(a.get("axes"), default=tuple(range(len(starts)))))
+        attrs = imp.attrs()
+        starts, ends = list(_int_tuple(attrs["starts"])), list(_int_tuple(attrs["ends"]))
+        axes = list(_ints(attrs.get("axes"), default=tuple(range(len(starts)))))
         steps = [1] * len(starts)
     else:
-        starts = [int(v) for v in imp.const(1, "starts").reshape(-1)]
-        ends = [int(v) for v in imp.const(2, "ends").reshape(-1)]
+        starts = [int(v) for v in imp.required_const(1, "starts").reshape(-1)]
+        ends = [int(v) for v in imp.required_const(2, "ends").reshape(-1)]
         ax = imp.const(3, "axes")
         axes = list(range(len(starts))) if ax is None else [int(v) for v in ax.reshape(-1)]
         st = imp.const(4, "steps")
@@ -691,8 +725,11 @@ def _const_only(fn: Callable) -> Callable:
             raise imp.fail(f"{imp.node.op_type} on a run-time tensor is not supported (only on constants, "
                            f"e.g. in shape computations)")
         return contiguous(fn(imp, ins))
-    convert.constants_only = True  # type: ignore[attr-defined]
+    _CONSTANTS_ONLY.add(convert)
     return convert
+
+
+_CONSTANTS_ONLY: set[Callable] = set()     # the converters _const_only made
 
 
 def _constant_of_shape(imp: _Importer, ins):
@@ -701,11 +738,16 @@ def _constant_of_shape(imp: _Importer, ins):
     return np.full(tuple(int(v) for v in ins[0]), value, dtype=np.asarray(value).dtype)
 
 
-CONVERTERS: dict[str, Callable[[_Importer], object]] = {
+def _global_avg_pool(imp: _Importer) -> _Value:
+    _need_2d(imp, imp.inp(0))
+    return imp.emit("global_avg_pool2d", [imp.inp(0)])
+
+
+CONVERTERS: dict[str, Callable[[_Importer], _Value]] = {
     "Conv": _conv, "ConvTranspose": _conv_transpose, "Gemm": _gemm, "MatMul": _matmul,
     "BatchNormalization": _batch_norm, "LayerNormalization": _layer_norm,
     "MaxPool": _pool("max"), "AveragePool": _pool("avg"),
-    "GlobalAveragePool": lambda imp: (_need_2d(imp, imp.inp(0)), imp.emit("global_avg_pool2d", [imp.inp(0)]))[1],
+    "GlobalAveragePool": _global_avg_pool,
     "Softmax": _softmax, "ReduceMean": _reduce("reduce_mean", 18), "ReduceSum": _reduce("reduce_sum", 13),
     "Add": _binary("add"), "Sub": _binary("sub"), "Mul": _binary("mul"), "Div": _binary("div"),
     "Pow": _binary("pow"), "Max": _binary("maximum"), "Min": _binary("minimum"),
@@ -733,8 +775,8 @@ CONVERTERS: dict[str, Callable[[_Importer], object]] = {
 
 def supported_ops_table() -> str:
     """The README's table of supported ops, made from CONVERTERS (tests/test_onnx_docs.py keeps them equal)."""
-    runtime = sorted(op for op, fn in CONVERTERS.items() if not getattr(fn, "constants_only", False))
-    folded = sorted(op for op, fn in CONVERTERS.items() if getattr(fn, "constants_only", False))
+    runtime = sorted(op for op, fn in CONVERTERS.items() if fn not in _CONSTANTS_ONLY)
+    folded = sorted(op for op, fn in CONVERTERS.items() if fn in _CONSTANTS_ONLY)
     header = "| on run-time tensors (computed by tuned kernels) | on constants only (folded at import) |"
     return "\n".join([header, "|---|---|",
                       f"| {', '.join(runtime)} | {', '.join(folded)} |"])
