@@ -209,8 +209,8 @@ class _Kernel:
             if isinstance(s, Allocate) and s.buffer.scope == "shared":
                 shared.setdefault(s.buffer)
         self.shared = list(shared)
-        self.grid = tuple(self.dims.get(a, 1) for a in GRID_AXES)
-        self.block = tuple(self.dims.get(a, 1) for a in BLOCK_AXES)
+        self.grid = _dim3(self.dims, GRID_AXES)
+        self.block = _dim3(self.dims, BLOCK_AXES)
         _, used = uses(self.body)
         stored = {s.buffer for s in walk_stmts(self.body) if isinstance(s, Store)}
         self.params = [b for b in args + temps if b in used]
@@ -277,7 +277,7 @@ class _Kernel:
             self.loop(s, d, divergent)
         elif isinstance(s, Store):
             if isinstance(s.value, te.Call) and s.value.name.startswith(THREAD_ALLREDUCE):
-                self.allreduce(s, d, divergent)
+                self.allreduce(s, s.value, d, divergent)
             else:
                 self.emit(f"{self.name_of(s.buffer)}[{self.ex(s.index)}] = {self.ex(s.value)};", d)
         elif isinstance(s, IfThenElse):
@@ -330,14 +330,14 @@ class _Kernel:
         self.stmt(s.body, d + 1, divergent)
         self.emit("}", d)
 
-    def allreduce(self, s: Store, d: int, divergent: bool) -> None:
-        """All threads of the block combine their value; every thread gets the (same) result."""
+    def allreduce(self, s: Store, call: te.Call, d: int, divergent: bool) -> None:
+        """All threads of the block combine their value; every thread gets the (same) result. `call` is
+        s.value, the all-reduce intrinsic."""
         if divergent:
             raise CudaCodegenError(f"{self.name}: a block-level reduction under a condition that differs "
                                    "between threads")
         if self.block[1] != 1 or self.block[2] != 1:
             raise CudaCodegenError(f"{self.name}: a cross-thread reduction needs a one-dimensional thread block")
-        call: te.Call = s.value
         combiner = call.name.split(".")[-1]
         dtype = call.dtype
         st = _SHUFFLE_TYPE.get(dtype, "int")
@@ -458,6 +458,12 @@ def _index_type(func: LoweredFunc, temps: list[Buffer], nests: list[Stmt]) -> st
     if any(b.dtype == "int64" for b in buffers) or any(b.size >= 2 ** 31 for b in buffers):
         return "long long"
     return "int"
+
+
+def _dim3(dims: dict[str, int], axes: tuple[str, str, str]) -> tuple[int, int, int]:
+    """A launch dimension (x, y, z) from the loops bound to `axes`; an axis no loop binds is 1."""
+    x, y, z = (dims.get(a, 1) for a in axes)
+    return x, y, z
 
 
 def generate_cuda(func: LoweredFunc) -> CudaModule:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterator as PyIterator
+from typing import cast
 
 from tensortune.tasks import te
 from tensortune.tasks.te import Expr, Var
@@ -42,15 +43,19 @@ def dense_strides(shape, align: dict[int, tuple[int, int]] | None = None) -> tup
 
 
 class BufferLoad(te.Load):
-    """A load from a flat buffer (`tensor` is the Buffer, `indices` is the one flat index)."""
+    """A load from a flat buffer (`tensor` is the Buffer, `indices` is the one flat index).
+
+    It is a te.Load so that te's walk, rebuild, structural key and printing cover lowered code too; those
+    use the `tensor` slot only for its name, dtype and identity, which a Buffer has. The slot is declared
+    a Tensor, so the Buffer goes in and comes out through a cast; only `buffer` should read it."""
     __slots__ = ()
 
     def __init__(self, buffer: Buffer, indices: tuple[Expr, ...]):
-        self.tensor, self.indices, self.dtype = buffer, indices, buffer.dtype
+        self.tensor, self.indices, self.dtype = cast(te.Tensor, buffer), indices, buffer.dtype
 
     @property
     def buffer(self) -> Buffer:
-        return self.tensor
+        return cast(Buffer, self.tensor)
 
     @property
     def index(self) -> Expr:

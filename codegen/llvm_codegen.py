@@ -61,12 +61,19 @@ class Val:
     ty: str                      # scalar llvm type
     lanes: int = 1
     ref: str | None = None       # llvm operand (scalar if lanes == 1 else vector)
-    const: object = None         # python constant (uniform)
-    ramp: tuple | None = None
+    const: int | float | None = None   # python constant (uniform; a bool is an int)
+    ramp: tuple[Val, int] | None = None
 
     @property
     def is_const(self) -> bool:
         return self.const is not None and self.lanes == 1
+
+    @property
+    def constant(self) -> int | float:
+        """The constant of an `is_const` value."""
+        if self.const is None:
+            raise CodegenError("a value without a constant was used as one")
+        return self.const
 
 
 class _Function:
@@ -101,7 +108,7 @@ class _Function:
 
 
 class _Module:
-    def __init__(self):
+    def __init__(self) -> None:
         self.decls: dict[str, str] = {}
         self.functions: list[_Function] = []
 
@@ -247,7 +254,7 @@ class LLVMCodegen:
         fn.emit(f"br label %{head}")
         fn.start_block(head)
         phi_at = len(fn.lines)
-        fn.lines.append(None)  # patched below, once the latch block is known
+        fn.lines.append("")  # patched below, once the latch block is known
         st.env[loop.var] = Val("i64", ref=iv)
         self._stmt(loop.body, st)
         nxt = fn.tmp("next")
@@ -445,21 +452,29 @@ class LLVMCodegen:
     def _literal(self, v: Val) -> str:
         if v.ty in ("float", "double", "half"):
             dt = {"float": "float32", "double": "float64", "half": "float16"}[v.ty]
-            return _float_literal(float(v.const), dt)
+            return _float_literal(float(v.constant), dt)
         if v.ty == "i1":
             return "true" if v.const else "false"
-        return str(int(v.const))
+        return str(int(v.constant))
 
     def _scalar(self, v: Val, st) -> str:
         if v.lanes != 1:
             raise CodegenError("a vector value was used where a scalar is required")
-        return self._literal(v) if v.is_const else v.ref
+        return self._literal(v) if v.is_const else self._operand(v)
+
+    @staticmethod
+    def _operand(v: Val) -> str:
+        """v's LLVM operand; constants and ramps have none until they are materialised."""
+        if v.ref is None:
+            raise CodegenError("a value without an LLVM operand was used as one")
+        return v.ref
 
     def _vec(self, v: Val, st, lanes: int | None = None) -> str:
         """Materialise v as a <lanes x ty> operand (broadcast uniforms, build ramps)."""
         lanes = lanes or v.lanes
-        if v.lanes > 1 and v.ramp is None:
-            return v.ref
+        ramp = v.ramp
+        if v.lanes > 1 and ramp is None:
+            return self._operand(v)
         fn = st.fn
         vty = f"<{lanes} x {v.ty}>"
         if v.lanes == 1:
@@ -470,10 +485,12 @@ class LLVMCodegen:
             fn.emit(f"{a} = insertelement <1 x {v.ty}> poison, {v.ty} {v.ref}, i64 0")
             fn.emit(f"{b} = shufflevector <1 x {v.ty}> {a}, <1 x {v.ty}> poison, <{lanes} x i32> zeroinitializer")
             return b
-        base, stride = v.ramp
+        if ramp is None:
+            raise CodegenError("a vector value has neither an operand nor a ramp")
+        base, stride = ramp
         steps = "<" + ", ".join(f"i64 {i * stride}" for i in range(lanes)) + ">"
         if base.is_const:
-            return "<" + ", ".join(f"i64 {int(base.const) + i * stride}" for i in range(lanes)) + ">"
+            return "<" + ", ".join(f"i64 {int(base.constant) + i * stride}" for i in range(lanes)) + ">"
         b = self._vec(base, st, lanes)
         out = fn.tmp("ramp")
         fn.emit(f"{out} = add {vty} {b}, {steps}")
@@ -652,11 +669,11 @@ class LLVMCodegen:
             return Val("i64", lanes, ramp=(base, stride))
         if op == "mul":
             if b.is_const:
-                return Val("i64", lanes, ramp=(self._binop("mul", pa[0], b, "int64", st), pa[1] * int(b.const)))
+                return Val("i64", lanes, ramp=(self._binop("mul", pa[0], b, "int64", st), pa[1] * int(b.constant)))
             if a.is_const:
-                return Val("i64", lanes, ramp=(self._binop("mul", a, pb[0], "int64", st), pb[1] * int(a.const)))
-        if op in ("floordiv", "floormod") and b.is_const and int(b.const) > 0:
-            c = int(b.const)
+                return Val("i64", lanes, ramp=(self._binop("mul", a, pb[0], "int64", st), pb[1] * int(a.constant)))
+        if op in ("floordiv", "floormod") and b.is_const and int(b.constant) > 0:
+            c = int(b.constant)
             base, stride = pa
             # (base + s*lane) // c is uniform when base % c + s*(lanes-1) < c and s >= 0.
             if stride >= 0 and stride % c == 0:
@@ -666,13 +683,13 @@ class LLVMCodegen:
         return None
 
     def _floor_divmod(self, op: str, a: Val, b: Val, ty: str, st, nonneg: bool = False) -> Val:
-        if nonneg and b.is_const and int(b.const) > 0:
+        if nonneg and b.is_const and int(b.constant) > 0:
             return self._raw(st, "udiv" if op == "floordiv" else "urem", a, b, ty)
         q = self._raw(st, "sdiv", a, b, ty)
         r = self._raw(st, "srem", a, b, ty)
         zero = Val(ty, const=0)
         neg_r = self._raw(st, "icmp slt", r, zero, ty)
-        if b.is_const and int(b.const) > 0:
+        if b.is_const and int(b.constant) > 0:
             fix = Val("i1", neg_r.lanes, neg_r.ref)
         else:
             neg_b = self._raw(st, "icmp slt", b, zero, ty)
@@ -698,7 +715,7 @@ class LLVMCodegen:
             import operator
             f = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
                  "ne": operator.ne}[e.op]
-            return Val("i1", const=bool(f(a.const, b.const)))
+            return Val("i1", const=bool(f(a.constant, b.constant)))
         ty = _LLTYPE[dt]
         if te.is_float(dt):
             pred = {"lt": "olt", "le": "ole", "gt": "ogt", "ge": "oge", "eq": "oeq", "ne": "une"}[e.op]
@@ -824,8 +841,8 @@ class LLVMCodegen:
             return v if v.ty == dty else Val(dty, v.lanes, v.ref, v.const, v.ramp)
         if v.is_const:
             if te.is_float(dst):
-                return Val(dty, const=float(v.const))
-            return Val(dty, const=int(v.const))
+                return Val(dty, const=float(v.constant))
+            return Val(dty, const=int(v.constant))
         if v.ramp is not None and not te.is_float(dst) and dst != "bool":
             base = self._cast(v.ramp[0], src, dst, st)
             return Val(dty, v.lanes, ramp=(base, v.ramp[1]))

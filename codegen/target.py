@@ -21,7 +21,7 @@ class Target:
     features: str = ""
     arch: str = ""                              # cuda: sm_90
     options: tuple = field(default=())
-    hardware: HardwareParams = field(default=None, compare=False)
+    hardware: HardwareParams = field(kw_only=True, compare=False)  # every target knows its limits
     num_threads: int = 0                        # llvm: the threads every parallel loop runs on
 
     def __str__(self) -> str:
@@ -65,6 +65,12 @@ def _threads_option(opts: dict[str, str], text: str) -> int:
     return int(value)
 
 
+def _option(part: str) -> tuple[str, str]:
+    """'-name=value' -> (name, value); a bare '-flag' has the value ''."""
+    name, _, value = part.lstrip("-").partition("=")
+    return name, value
+
+
 def parse_target(text: str | Target = "llvm") -> Target:
     """'llvm' (this host, all its cores), 'llvm -mcpu=znver4 -mattr=+avx2 -num-threads=4', 'cuda' (this
     machine's GPU when there is one, else sm_90), 'cuda -arch=sm_90 [-max-threads=N -max-shared-memory=B
@@ -76,7 +82,7 @@ def parse_target(text: str | Target = "llvm") -> Target:
         parts = shlex.split(text or "llvm")
     except ValueError as err:
         raise TargetError(f"cannot parse target {text!r}: {err}") from None
-    kind, opts = parts[0], dict(p.lstrip("-").split("=", 1) if "=" in p else (p.lstrip("-"), "") for p in parts[1:])
+    kind, opts = parts[0], dict(_option(p) for p in parts[1:])
     if kind in ("llvm", "cpu", "c"):
         host_cpu, host_features = _host_cpu()
         cpu = opts.get("mcpu", host_cpu)

@@ -164,6 +164,9 @@ class WorkerPool:
             wait_for = max(0.0, min(self._deadline(w, timeout) - now for w in busy))
             ready = wait([w.conn for w in busy], timeout=wait_for)
             for w in list(busy):
+                job = w.job
+                if job is None:
+                    raise RuntimeError("a busy worker holds no job")   # busy workers were given one above
                 if w.conn in ready and not w.ready:
                     try:
                         if w.conn.recv() == _READY:   # started: the job, already in its pipe, is timed from now
@@ -174,7 +177,7 @@ class WorkerPool:
                 if w.conn in ready:
                     try:
                         ok, value, err, secs = w.conn.recv()
-                        results[w.job] = JobResult(ok, value, err, "" if ok else "exception", secs)
+                        results[job] = JobResult(ok, value, err, "" if ok else "exception", secs)
                         w.job = None
                         busy.remove(w)
                         continue
@@ -188,7 +191,7 @@ class WorkerPool:
                     how = f"signal {-code} ({signal.Signals(-code).name})" if code and code < 0 else f"exit {code}"
                     dump = w.stderr_tail()
                     log.info("worker process %s died (%s); its stderr:\n%s", w.proc.pid, how, dump or "(empty)")
-                    results[w.job] = JobResult(False, None, f"worker process died ({how}) while running this job"
+                    results[job] = JobResult(False, None, f"worker process died ({how}) while running this job"
                                                + (f"; its stderr:\n{dump}" if dump else ""),
                                                "crash", time.perf_counter() - w.started)
                     busy.remove(w)
@@ -196,10 +199,13 @@ class WorkerPool:
                 elif time.perf_counter() >= self._deadline(w, timeout):
                     msg = (f"timed out after {timeout:.1f} s" if w.ready else
                            f"the worker process did not start within {self.startup_timeout:.1f} s")
-                    results[w.job] = JobResult(False, None, msg, "timeout", timeout)
+                    results[job] = JobResult(False, None, msg, "timeout", timeout)
                     busy.remove(w)
                     self._replace(w)
-        return results  # type: ignore[return-value]
+        done = [r for r in results if r is not None]
+        if len(done) != len(results):
+            raise RuntimeError("a job finished without a result")   # the loop runs until none is pending
+        return done
 
     def _deadline(self, w: _Worker, timeout: float) -> float:
         return w.started + timeout if w.ready else w.spawned + self.startup_timeout

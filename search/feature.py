@@ -23,8 +23,8 @@ enclosing loops, and its readers see a buffer the size of the region.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from tensortune.schedule.loop_structure import loop_structure
 from tensortune.schedule.program import Program
 from tensortune.schedule.stage import Split
 from tensortune.schedule.state import State
-from tensortune.schedule.steps import FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, SplitStep
+from tensortune.schedule.steps import FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, SplitStep, Step
 from tensortune.search.feature_layout import (
     BUF,
     BUFFER_FIELDS,
@@ -54,12 +54,12 @@ _ANNOTATION_GROUPS = (("vectorize", "vec"), ("unroll", "unroll"), ("parallel", "
 _ONEHOT = np.array(onehot_mask())
 
 
-def _structural_split(state: State, i: int) -> bool:
+def _structural_split(state: Program, i: int) -> bool:
     """A split whose lengths shape an operator (the one feeding an rfactor) is part of the structure."""
     return i + 1 < len(state.steps) and isinstance(state.steps[i + 1], RfactorStep)
 
 
-def structure_key(state: State) -> str:
+def structure_key(state: Program) -> str:
     """Equal for states that differ only in tile sizes and unroll depths."""
     key = []
     for i, st in enumerate(state.steps):
@@ -72,7 +72,7 @@ def structure_key(state: State) -> str:
     return json.dumps(key, separators=(",", ":"))
 
 
-def _slots(state: State) -> list[tuple[int, int]]:
+def _slots(state: Program) -> list[tuple[int, int]]:
     """(step index, position) of every number a structure leaves open; position -1 = pragma value."""
     out = []
     for i, st in enumerate(state.steps):
@@ -83,8 +83,20 @@ def _slots(state: State) -> list[tuple[int, int]]:
     return out
 
 
-def state_numbers(state: State, slots: list[tuple[int, int]]) -> list[int]:
-    return [state.steps[i].lengths[k] if k >= 0 else state.steps[i].parsed()[1] for i, k in slots]
+def state_numbers(state: Program, slots: list[tuple[int, int]]) -> list[int]:
+    return [_slot_number(state.steps[i], k) for i, k in slots]
+
+
+def _slot_number(st: Step, k: int) -> int:
+    """The number at one slot (see `_slots`): a split's k-th length, or (k = -1) a pragma's value."""
+    if k < 0 and isinstance(st, PragmaStep):
+        return st.parsed()[1]
+    if k >= 0 and isinstance(st, SplitStep):
+        length = st.lengths[k]
+        if length is None:
+            raise ValueError("a split with an open length has no features")
+        return length
+    raise TypeError(f"slot {k} of a {type(st).__name__} holds no number")
 
 
 # ------------------------------------------------------------------------------------ op counts
@@ -145,6 +157,7 @@ class _Store:
     accesses: list               # [_Access]
     ops: _OpCounts
     alloc: bool                  # the stage's buffer is allocated (not a kernel argument)
+    plan: dict | None = field(default=None, repr=False, compare=False)   # FeatureTemplate._plan, made once
 
 
 def _split_lengths(steps: Sequence, sym: dict, i: int) -> list:
@@ -161,7 +174,7 @@ def _split_lengths(steps: Sequence, sym: dict, i: int) -> list:
             last = te.binary("mul", te.as_expr(last), te.as_expr(x))
         return list(src[:st.n_split - 1]) + [last]
     if isinstance(st, FollowFusedSplitStep):
-        out = 1
+        out: Expr | int = 1
         for s in st.src_step_ids:
             out = te.binary("mul", te.as_expr(out), te.as_expr(_split_lengths(steps, sym, s)[st.level]))
         return [out]
@@ -224,7 +237,11 @@ class FeatureTemplate:
             return _split_lengths(state.steps, sym, rel.step)
 
         # stage ids do not move after the annotation steps, so a pragma step's stage is final
-        pragma_sym = {state.stages[state.steps[i].stage_id].name: sym[(i, -1)] for i, k in self.slots if k < 0}
+        pragma_sym: dict[str, Var] = {}
+        for i, k in self.slots:
+            step = state.steps[i]
+            if k < 0 and isinstance(step, PragmaStep):
+                pragma_sym[state.stages[step.stage_id].name] = sym[(i, -1)]
         self._tensor_shapes = {st.name: list(st.op.shape) for st in state.stages}
         bodies = state.effective_bodies()
         outputs = {t.name for t in task.dag.args}
@@ -302,7 +319,7 @@ class FeatureTemplate:
                 accesses.append(_Access(buf, [linear_form(i, loop_vars, free_vars) for i in idx], 0,
                                         DTYPE_BYTES[dtype]))
             ops = _count_ops(src)
-            if is_update:
+            if isinstance(body, te.Reduce):
                 ops["float_addsub"] += 1 if te.is_float(st.op.dtype) and body.combiner == "sum" else 0
                 ops["float_cmp"] += 1 if te.is_float(st.op.dtype) and body.combiner != "sum" else 0
             self.stores.append(_Store(name, loops, enclosing[name], accesses, ops, name not in outputs))
@@ -313,7 +330,8 @@ class FeatureTemplate:
                 if acc.buffer in self.readers:
                     self.readers[acc.buffer].append((store, acc))
         # compile every extent and coefficient expression into one numpy function
-        exprs, self._index = [], {}
+        exprs: list[Expr] = []
+        self._index: dict[int, int] = {}                 # id(expression) -> its position in exprs
 
         def want(x) -> None:
             if isinstance(x, (int, float)) or id(x) in self._index:
@@ -368,10 +386,7 @@ class FeatureTemplate:
                 for lin in acc.dims:
                     for a in lin.atoms:
                         want(a, self._ranging(a, store.loops, start))
-        if outputs:
-            self._atom_fn = comp.function(outputs)
-        else:
-            self._atom_fn = None
+        self._atom_fn: Callable[[dict, dict], tuple] | None = comp.function(outputs) if outputs else None
 
     def _atom_positions(self, a, loops: list) -> list[int]:
         return sorted(k for k, (v, _, _) in enumerate(loops) if v in self._atom_vars[id(a)])
@@ -411,9 +426,9 @@ class FeatureTemplate:
             start = next(st.n_enclosing for st in self.stores if st.stage == name)
             widths = [np.zeros(m, dtype=np.int64) for _ in shape]
             for store, acc in self.readers[name]:
-                ext = [np.asarray(self._value(self.ext[v], vals)) * ones for v, _, _ in store.loops]
+                loop_ext = [np.asarray(self._value(self.ext[v], vals)) * ones for v, _, _ in store.loops]
                 for d, lin in enumerate(acc.dims):
-                    widths[d] = np.maximum(widths[d], self._width(lin, store.loops, ext, start, vals, W, m))
+                    widths[d] = np.maximum(widths[d], self._width(lin, store.loops, loop_ext, start, vals, W, m))
             for d, sym in enumerate(self.region_syms[name]):
                 env[sym.name] = np.clip(widths[d] + 1, 1, shape[d])
             vals = self._fn(env)
@@ -443,7 +458,7 @@ class FeatureTemplate:
 
     def _plan(self, s: _Store) -> dict:
         """What about a store's features is structural, decided once per template."""
-        plan = getattr(s, "_plan", None)
+        plan = s.plan
         if plan is not None:
             return plan
         n = len(s.loops)
@@ -480,7 +495,7 @@ class FeatureTemplate:
             plan["spans"].append((np.array([d for d, _, _ in terms], dtype=np.intp),
                                   np.array([k for _, k, _ in terms], dtype=np.intp), [c for _, _, c in terms],
                                   [(d, lin) for d, (_, lin) in enumerate(dims) if lin.atoms]))
-        s._plan = plan
+        s.plan = plan
         return plan
 
     def _store_features(self, s: _Store, vals: tuple, env: dict, ext: np.ndarray, all_shapes: np.ndarray,
@@ -504,8 +519,8 @@ class FeatureTemplate:
                 out[row + col["type.kPosNone"]] = 1.0
         row, col = OFFSET["gpu"], COLUMN["gpu"]
         out[row + col["is_gpu"]] = float(self.is_gpu)
-        for a in _GPU_AXES:
-            out[row + col[a.replace(".", "_") + "_len"]] = E[plan["gpu"][a]] if a in plan["gpu"] else 1.0
+        for axis in _GPU_AXES:
+            out[row + col[axis.replace(".", "_") + "_len"]] = E[plan["gpu"][axis]] if axis in plan["gpu"] else 1.0
         out[row + col["vthread_len"]] = E[plan["vthread"]].prod(axis=0) if plan["vthread"] else 1.0
         # ---- buffer accesses: touched elements at every level (loops i.. vary), i = 0..n
         touched, region0, shapes = [], [], []

@@ -64,7 +64,7 @@ def _bind_tiled_root(state: State, sid: int, tiled_root: bool, hw: HardwareParam
         it = state.stages[sid].iters[0]
         if it.kind != "spatial" or it.annotation != "none":
             return state                       # nothing spatial outside: one thread runs it
-        if it.extent <= hw.warp_size:
+        if it.known_extent <= hw.warp_size:
             return state.bind(sid, 0, "threadIdx.x")
         state = state.split(sid, 0, [hw.warp_size])
         return state.bind(sid, 0, "blockIdx.x").bind(sid, 1, "threadIdx.x")
@@ -79,11 +79,11 @@ def _bind_tiled_root(state: State, sid: int, tiled_root: bool, hw: HardwareParam
     state, i = _fuse_group(state, sid, 0, ".0", n_axes)
     state = state.bind(sid, i, "blockIdx.x")
     state, i = _fuse_group(state, sid, 1, ".1", n_axes)
-    if state.stages[sid].iters[i].extent > hw.max_vthread_extent:
+    if state.stages[sid].iters[i].known_extent > hw.max_vthread_extent:
         raise InvalidSample("vthread extent exceeds the target's limit")
     state = state.bind(sid, i, "vthread")
     state, i = _fuse_group(state, sid, 2, ".2", n_axes)
-    if check_min_threads and state.stages[sid].iters[i].extent < hw.warp_size:
+    if check_min_threads and state.stages[sid].iters[i].known_extent < hw.warp_size:
         raise InvalidSample("fewer threads per block than a warp")
     return state.bind(sid, i, "threadIdx.x")
 
@@ -105,12 +105,19 @@ def _cooperative_fetch(state: State, sid: int) -> State:
     return state.bind(sid, 1, "threadIdx.x")
 
 
+def _attached_to(stage: Stage) -> str:
+    """The op a stage computed at a loop (compute_at == "iter") is attached to."""
+    if stage.attach is None:
+        raise ValueError(f"{stage.name} is not attached to a loop")
+    return stage.attach[0]
+
+
 def init_thread_bind(state: State, hw: HardwareParams) -> State:
     """TVM's InitThreadBind."""
     tiled_roots = set()
     for sid, stage in enumerate(state.stages):
         if stage.compute_at == "iter" and utils.needs_multi_level_tiling(state, sid):
-            tiled_roots.add(state.stages[sid].attach[0])
+            tiled_roots.add(_attached_to(stage))
     for sid in range(len(state.stages) - 1, -1, -1):
         stage = state.stages[sid]
         if stage.is_placeholder or stage.compute_at == "inline":
@@ -141,7 +148,7 @@ def init_unroll(state: State, rng: random.Random) -> State:
     return state
 
 
-def _thread_extents(state: State, sid: int, acc: dict) -> None:
+def _thread_extents(state: State, sid: int, acc: dict[str, int]) -> None:
     stage = state.stages[sid]
     for i, it in enumerate(stage.iters):
         if it.annotation in _THREAD_AXES or it.annotation == "vthread":
@@ -152,14 +159,16 @@ def _thread_extents(state: State, sid: int, acc: dict) -> None:
 
 
 
-def _block_tile(stage: Stage) -> dict:
+def _block_tile(stage: Stage) -> dict[te.Var, tuple[int, int]]:
     """Per root axis of a multi-level tiled stage, the range one block covers inside the outermost
     tile level (every split level but the first: the block's threads and vthreads together)."""
-    ranges = {ax: (0, ax.extent - 1) for ax in stage.op.axes + stage.op.reduce_axes}
+    ranges: dict[te.Var, tuple[int, int]] = {ax: (0, ax.extent - 1) for ax in stage.op.axes + stage.op.reduce_axes}
     for rel in stage.relations:
-        if isinstance(rel, Split) and rel.parent in ranges and None not in rel.extents:
+        known = [e for e in rel.extents if e is not None] if isinstance(rel, Split) else []
+        if isinstance(rel, Split) and rel.parent in ranges and len(known) == len(rel.extents) \
+                and rel.parent_extent is not None:       # an open split length leaves the axis whole
             tile = 1
-            for e in rel.extents[1:]:
+            for e in known[1:]:
                 tile *= e
             ranges[rel.parent] = (0, min(tile, rel.parent_extent) - 1)
     return ranges
@@ -172,15 +181,17 @@ def shared_bytes(state: State, root: str) -> int:
     for stage in state.stages:
         if stage.scope != "shared" or stage.compute_at != "iter":
             continue
-        reader = state.stage_by_name(stage.attach[0])
+        reader = state.stage_by_name(_attached_to(stage))
         top = reader
         while top.compute_at == "iter":
-            top = state.stage_by_name(top.attach[0])
+            top = state.stage_by_name(_attached_to(top))
         if top.name != root:
             continue
         ranges = _block_tile(reader)
         extent = list(stage.op.shape)
-        for load in (n for n in te.walk(reader.op.body) if isinstance(n, te.Load) and n.tensor is stage.op):
+        body = reader.op.body
+        assert body is not None                       # a stage something is attached to is a compute
+        for load in (n for n in te.walk(body) if isinstance(n, te.Load) and n.tensor is stage.op):
             for d, idx in enumerate(load.indices):
                 lo, hi = const_bounds(idx, ranges)
                 if lo != -math.inf and hi != math.inf:

@@ -22,6 +22,7 @@ from tensortune.schedule.steps import (
     PragmaStep,
     RfactorStep,
     SplitStep,
+    Step,
 )
 from tensortune.search import utils
 from tensortune.search.annotation import AUTO_UNROLL_CPU, AUTO_UNROLL_GPU
@@ -30,19 +31,21 @@ from tensortune.search.candidate import Candidate
 
 def mutate_tile_size(c: Candidate, rng: random.Random, max_innermost: int) -> Candidate | None:
     """Move one factor between two levels of a split, keeping the product (TVM's MutateTileSize)."""
-    ids = [i for i, st in enumerate(c.steps) if isinstance(st, SplitStep) and st.extent
-           and None not in st.lengths and st.inner_to_outer and st.lengths[-1] <= max_innermost
-           and st.extent > 1]
+    ids: list[tuple[int, SplitStep, int, tuple[int, ...]]] = []     # (step index, step, extent, lengths)
+    for i, st in enumerate(c.steps):
+        known = _known_lengths(st.lengths) if isinstance(st, SplitStep) else None
+        if isinstance(st, SplitStep) and st.extent and known is not None and st.inner_to_outer \
+                and known[-1] <= max_innermost and st.extent > 1:
+            ids.append((i, st, st.extent, known))
     if not ids:
         return None
-    i = rng.choice(ids)
-    st = c.steps[i]
+    i, split, extent, known = rng.choice(ids)
     prod = 1
-    for x in st.lengths:
+    for x in known:
         prod *= x
-    if st.extent % prod:
+    if extent % prod:
         return None                      # an imperfect split: keep it as it is
-    lengths = [st.extent // prod] + list(st.lengths)
+    lengths = [extent // prod] + list(known)
     perm = list(range(len(lengths)))
     rng.shuffle(perm)
     for k, src in enumerate(perm):
@@ -51,35 +54,41 @@ def mutate_tile_size(c: Candidate, rng: random.Random, max_innermost: int) -> Ca
         dst = perm[(k + 1) % len(perm)]
         fs = utils.factors(lengths[src])
         if dst == len(lengths) - 1:
-            fs = [f for f in fs[1:] if f * lengths[dst] <= max_innermost]
-            if not fs:
+            fits = [f for f in fs[1:] if f * lengths[dst] <= max_innermost]
+            if not fits:
                 continue
-            f = rng.choice(fs)
+            f = rng.choice(fits)
         else:
             f = rng.choice(fs[1:])
         new = list(lengths)
         new[src] //= f
         new[dst] *= f
         steps = list(c.steps)
-        steps[i] = dc_replace(st, lengths=tuple(new[1:]))
+        steps[i] = dc_replace(split, lengths=tuple(new[1:]))
         rfactor_next = i + 1 < len(steps) and isinstance(steps[i + 1], RfactorStep)
         return c.with_steps(tuple(steps), same_structure=not rfactor_next)
     return None
 
 
+def _known_lengths(lengths: tuple[int | None, ...]) -> tuple[int, ...] | None:
+    """A split's lengths when every one is known (None: one is left for the search to fill)."""
+    known = tuple(x for x in lengths if x is not None)
+    return known if len(known) == len(lengths) else None
+
+
 def mutate_auto_unroll(c: Candidate, rng: random.Random, gpu: bool = False) -> Candidate | None:
-    ids = [i for i, st in enumerate(c.steps) if isinstance(st, PragmaStep)
+    ids = [(i, st) for i, st in enumerate(c.steps) if isinstance(st, PragmaStep)
            and st.pragma.startswith("auto_unroll_max_step")]
     if not ids:
         return None
-    i = rng.choice(ids)
+    i, pragma = rng.choice(ids)
     steps = list(c.steps)
     step = rng.choice(AUTO_UNROLL_GPU if gpu else AUTO_UNROLL_CPU)
-    steps[i] = dc_replace(steps[i], pragma=f"auto_unroll_max_step${step}")
+    steps[i] = dc_replace(pragma, pragma=f"auto_unroll_max_step${step}")
     return c.with_steps(tuple(steps), same_structure=True)
 
 
-def _replay(c: Candidate, steps: list) -> Candidate | None:
+def _replay(c: Candidate, steps: list[Step]) -> Candidate | None:
     try:
         state = State.replay(c.dag, steps)
     except IllegalStep:
@@ -91,37 +100,38 @@ def _replay(c: Candidate, steps: list) -> Candidate | None:
 
 def mutate_compute_location(c: Candidate, rng: random.Random) -> Candidate | None:
     state = c.state
-    ids = []
+    ids: list[tuple[int, ComputeAtStep]] = []
     for i, st in enumerate(c.steps):
         if isinstance(st, ComputeAtStep):
             sid = st.stage_id
             if utils.is_tiled(state.stages[sid]) or utils.needs_multi_level_tiling(state, sid):
                 continue
-            ids.append(i)
+            ids.append((i, st))
     if not ids:
         return None
-    i = rng.choice(ids)
-    st = c.steps[i]
+    i, at = rng.choice(ids)
     # candidates are judged on the state just before this step
     before = State.replay(c.dag, c.steps[:i])
-    cands = utils.compute_location_candidates(before, st.stage_id)
+    cands = utils.compute_location_candidates(before, at.stage_id)
     if not cands:
         return None
     target, it = rng.choice(cands)
     steps = list(c.steps)
-    steps[i] = ComputeAtStep(st.stage_id, target, it)
+    steps[i] = ComputeAtStep(at.stage_id, target, it)
     return _replay(c, steps)
 
 
 def mutate_parallel(c: Candidate, rng: random.Random) -> Candidate | None:
     """Change how many outer loops are fused into the parallel loop (TVM's MutateParallel)."""
-    ids = [i for i, st in enumerate(c.steps) if isinstance(st, AnnotationStep) and st.annotation == "parallel"
-           and st.iter_id == 0 and i > 0 and isinstance(c.steps[i - 1], FuseStep)
-           and c.steps[i - 1].fused_ids[0] == 0]
+    ids: list[tuple[int, FuseStep]] = []       # (index of the parallel annotation, the fuse before it)
+    for i, st in enumerate(c.steps):
+        prev = c.steps[i - 1] if i > 0 else None
+        if isinstance(st, AnnotationStep) and st.annotation == "parallel" and st.iter_id == 0 \
+                and isinstance(prev, FuseStep) and prev.fused_ids[0] == 0:
+            ids.append((i, prev))
     if not ids:
         return None
-    i = rng.choice(ids)
-    fuse = c.steps[i - 1]
+    i, fuse = rng.choice(ids)
     sid = fuse.stage_id
     before = State.replay(c.dag, c.steps[:i - 1])
     stage = before.stages[sid]
@@ -152,7 +162,7 @@ def mutate_parallel(c: Candidate, rng: random.Random) -> Candidate | None:
 
 # ------------------------------------------------------------------------------------ crossover
 
-def _phase(st) -> int:
+def _phase(st: Step) -> int:
     """Which annotation rule made a step: compute location, parallel, unroll, vectorize."""
     if isinstance(st, (ComputeAtStep, ComputeInlineStep, ComputeRootStep)):
         return 0
@@ -163,9 +173,9 @@ def _phase(st) -> int:
     return -1
 
 
-def _annotation_phases(steps: tuple, n_sketch: int) -> list[tuple[int, object]]:
+def _annotation_phases(steps: tuple[Step, ...], n_sketch: int) -> list[tuple[int, Step]]:
     """(phase, step) of the annotation steps; a fuse takes the phase of the annotation it prepares."""
-    out = []
+    out: list[tuple[int, Step]] = []
     tail = steps[n_sketch:]
     for k, st in enumerate(tail):
         if isinstance(st, FuseStep):
@@ -176,11 +186,16 @@ def _annotation_phases(steps: tuple, n_sketch: int) -> list[tuple[int, object]]:
     return out
 
 
-def _steps_by_stage(steps: tuple) -> dict:
+def _stage_id(st: Step) -> int | None:
+    """The stage a step works on; None for a step that names none."""
+    return getattr(st, "stage_id", None)
+
+
+def _steps_by_stage(steps: tuple[Step, ...]) -> dict[int, list[Step]]:
     """Each stage's steps, in program order (steps that name no stage are left out)."""
-    out: dict = {}
+    out: dict[int, list[Step]] = {}
     for st in steps:
-        sid = getattr(st, "stage_id", None)
+        sid = _stage_id(st)
         if sid is not None:
             out.setdefault(sid, []).append(st)
     return out
@@ -200,13 +215,14 @@ def crossover(a: Candidate, b: Candidate, n_sketch: int, rng: random.Random) -> 
     pick = {s: rng.random() < 0.5 for s in stages}          # True: from b; the others are alike
     if all(pick.values()) or not any(pick.values()):
         return None
-    steps = []
+    steps: list[Step] = []
     for sa, sb in zip(a.steps[:n_sketch], b.steps[:n_sketch]):
         steps.append(sb if isinstance(sa, SplitStep) and pick.get(sa.stage_id) else sa)
     phases = []
     for parent, from_b in ((a, False), (b, True)):
         for order, (ph, st) in enumerate(_annotation_phases(parent.steps, n_sketch)):
-            if pick.get(getattr(st, "stage_id", None), False) == from_b:
+            sid = _stage_id(st)
+            if (pick.get(sid, False) if sid is not None else False) == from_b:   # stageless steps: from a
                 phases.append((ph, from_b, order, st))
     phases.sort(key=lambda x: (x[0], x[1], x[2]))
     steps += [st for _, _, _, st in phases]

@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -99,13 +99,13 @@ def simple_access(t: Tensor, indices: tuple[Expr, ...]) -> SimpleAccess:
     """Each index is an axis of `t` with an optional constant shift (Ansor's IsSimpleAccess)."""
     if t.is_placeholder:
         return SimpleAccess(False)
-    pos = {ax: i for i, ax in enumerate(t.axes)}
+    pos: dict[te.Var, int] = {ax: i for i, ax in enumerate(t.axes)}
     order, counts = [], [0] * len(t.axes)
     for e in indices:
         if isinstance(e, te.Const):
             continue
         v = _const_shift_var(e)
-        if v not in pos:
+        if v is None or v not in pos:
             return SimpleAccess(False)
         order.append(pos[v])
         counts[pos[v]] += 1
@@ -125,7 +125,8 @@ def flop_count(tensors: Sequence[Tensor]) -> float:
     """TVM's estimate: float arithmetic per output point times points; index math is free."""
     total = 0.0
     for t in tensors:
-        if t.is_placeholder:
+        body = t.body
+        if body is None:              # a placeholder
             continue
         if "FLOP" in t.attrs:
             total += float(t.attrs["FLOP"])
@@ -152,13 +153,13 @@ def flop_count(tensors: Sequence[Tensor]) -> float:
                 return visit(e.value)
             return 0.0
 
-        total += float(np.prod(t.shape)) * visit(t.body)
+        total += float(np.prod(t.shape)) * visit(body)
     return total
 
 
 def check_bounds(t: Tensor) -> None:
     """Every load outside an if_then_else branch must stay inside its tensor: catches bad shapes early."""
-    ranges = {ax: (0, ax.extent - 1) for ax in t.axes + t.reduce_axes}
+    ranges: dict[te.Var, tuple[int, int]] = {ax: (0, ax.extent - 1) for ax in t.axes + t.reduce_axes}
 
     def visit(e: Expr, guarded: bool) -> None:
         if isinstance(e, te.Select):
@@ -177,7 +178,8 @@ def check_bounds(t: Tensor) -> None:
         for c in te.children(e):
             visit(c, guarded)
 
-    visit(t.body, False)
+    if t.body is not None:
+        visit(t.body, False)
 
 
 class ComputeDAG:
@@ -298,11 +300,14 @@ class ComputeDAG:
 def _compute_line(t: Tensor, names: dict | None = None) -> str:
     nm = (names or {}).get(t, t.name)
     axes = ", ".join((names or {}).get(a, a.name) for a in t.axes)
-    if isinstance(t.body, Reduce):
-        sym = {"sum": "+=", "max": "max=", "min": "min="}[t.body.combiner]
-        red = ", ".join(f"{(names or {}).get(a, a.name)}:{a.extent}" for a in t.body.axes)
-        return f"{nm}({axes}) {sym} {te.to_text(t.body.source, names)}  [{red}]"
-    return f"{nm}({axes}) = {te.to_text(t.body, names)}"
+    body = t.body
+    if body is None:
+        raise ValueError(f"{t.name} is a placeholder; it has no compute line")
+    if isinstance(body, Reduce):
+        sym = {"sum": "+=", "max": "max=", "min": "min="}[body.combiner]
+        red = ", ".join(f"{(names or {}).get(a, a.name)}:{a.extent}" for a in body.axes)
+        return f"{nm}({axes}) {sym} {te.to_text(body.source, names)}  [{red}]"
+    return f"{nm}({axes}) = {te.to_text(body, names)}"
 
 
 class AccessAnalysis:
@@ -322,7 +327,8 @@ class AccessAnalysis:
         self.is_output: dict[Tensor, bool] = {}
         out_set = set(outputs)
         for t in tensors:
-            if t.is_placeholder:
+            body = t.body
+            if body is None:          # a placeholder
                 self.is_simple_access[t], self.is_strictly_inlineable[t] = True, False
                 self.needs_multi_level_tiling[t], self.is_output[t] = False, False
                 continue
@@ -337,10 +343,10 @@ class AccessAnalysis:
                         inlineable = False
                 if not simple:
                     break
-            if _has_expensive_op(t.body) or _has_branch(t.body) or isinstance(t.body, Reduce):
+            if _has_expensive_op(body) or _has_branch(body) or isinstance(body, Reduce):
                 inlineable = False
             if not self.read_from[t]:
-                inlineable = not isinstance(t.body, Reduce)
+                inlineable = not isinstance(body, Reduce)
             self.is_simple_access[t] = simple
             self.is_strictly_inlineable[t] = inlineable
             self.needs_multi_level_tiling[t] = self._needs_tiling(t)
@@ -444,8 +450,8 @@ def _expr_to_json(e: Expr, var_index: dict) -> list:
 def dag_to_json(dag: ComputeDAG) -> dict:
     tensors = []
     for t in dag.tensors:
-        item = {"name": t.name, "shape": list(t.shape), "dtype": t.dtype}
-        if not t.is_placeholder:
+        item: dict[str, Any] = {"name": t.name, "shape": list(t.shape), "dtype": t.dtype}
+        if t.body is not None:    # a compute, not a placeholder
             all_axes = t.axes + t.reduce_axes
             index = {ax: i for i, ax in enumerate(all_axes)}
             item["axes"] = [[a.name, a.extent, a.kind] for a in all_axes]
@@ -458,10 +464,9 @@ def dag_to_json(dag: ComputeDAG) -> dict:
 
 def dag_from_json(data: dict | str) -> ComputeDAG:
     try:
-        if isinstance(data, str):
-            data = json.loads(data)
+        doc: dict[str, Any] = json.loads(data) if isinstance(data, str) else data
         by_name: dict[str, Tensor] = {}
-        for item in data["tensors"]:
+        for item in doc["tensors"]:
             shape = tuple(item["shape"])
             if "body" not in item:
                 by_name[item["name"]] = te.placeholder(shape, item["dtype"], item["name"])
@@ -496,7 +501,7 @@ def dag_from_json(data: dict | str) -> ComputeDAG:
             n_sp = len(shape)
             by_name[item["name"]] = Tensor(item["name"], shape, item["dtype"], tuple(axes[:n_sp]), body,
                                            item.get("attrs"))
-        return ComputeDAG([by_name[n] for n in data["args"]], name=data.get("name", ""))
+        return ComputeDAG([by_name[n] for n in doc["args"]], name=doc.get("name", ""))
     except DAGError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, json.JSONDecodeError) as err:

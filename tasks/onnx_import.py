@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, overload
 
 import numpy as np
 
 from tensortune.tasks.graph import Graph, GraphBuilder, contiguous
 from tensortune.tasks.graph_ops import GraphError, Node, TensorInfo, infer_node, run_node
 from tensortune.tasks.onnx_functions import expand_functions
+
+if TYPE_CHECKING:
+    import onnx
 
 
 class OnnxImportError(ValueError):
@@ -31,7 +34,7 @@ def _onnx():
     return onnx
 
 
-def load_model(source) -> "onnx.ModelProto":  # noqa: F821 - onnx is imported lazily (_onnx)
+def load_model(source) -> onnx.ModelProto:
     """Load and check a model from a path, bytes or a ModelProto; malformed input fails clearly."""
     onnx = _onnx()
     if isinstance(source, onnx.ModelProto):
@@ -89,7 +92,7 @@ _Value = str | np.ndarray        # a graph value name, or a constant known at im
 
 
 class _Importer:
-    def __init__(self, model, input_shapes: dict, name: str | None):
+    def __init__(self, model: onnx.ModelProto, input_shapes: dict, name: str | None):
         self.onnx = _onnx()
         self.model = model
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
@@ -99,10 +102,17 @@ class _Importer:
         self.materialized: dict[int, tuple[np.ndarray, str]] = {}   # id -> (array kept alive, value name)
         self.onnx_names: dict[int, str] = {}                         # id of an initializer -> its ONNX name
         self.input_shapes = input_shapes
-        self.node: object = None
+        self._node: onnx.NodeProto | None = None
         self.node_label = ""
         self.out_name = ""      # the ONNX name of the current node's output: its last emitted value gets it
         self.used: set[str] = set()
+
+    @property
+    def node(self) -> onnx.NodeProto:
+        """The node being converted (converters and errors run only while there is one)."""
+        if self._node is None:
+            raise OnnxImportError("no ONNX node is being converted")
+        return self._node
 
     # ------------------------------------------------------------------ errors and values
 
@@ -122,6 +132,13 @@ class _Importer:
         v = self.value(self.node.input[i])
         if not isinstance(v, np.ndarray):
             raise self.fail(f"{what} (input {i}) must be a constant known at import time, not computed at run time")
+        return v
+
+    def required_const(self, i: int, what: str) -> np.ndarray:
+        """Input i as a constant; an error when it is absent or computed at run time."""
+        v = self.const(i, what)
+        if v is None:
+            raise self.fail(f"missing required input {i} ({what})")
         return v
 
     def inp(self, i: int) -> _Value:
@@ -145,11 +162,12 @@ class _Importer:
 
     def emit(self, op: str, inputs: Sequence[_Value], output: str | None = None, **attrs) -> _Value:
         """Add a graph node, or evaluate it now when every input is a constant (constant folding)."""
-        if all(isinstance(v, np.ndarray) for v in inputs):
-            node = Node("fold", op, tuple(f"c{i}" for i in range(len(inputs))), "out", dict(attrs))
+        arrays = [v for v in inputs if isinstance(v, np.ndarray)]
+        if len(arrays) == len(inputs):
+            node = Node("fold", op, tuple(f"c{i}" for i in range(len(arrays))), "out", dict(attrs))
             try:
-                info = infer_node(node, [TensorInfo(tuple(v.shape), str(v.dtype)) for v in inputs])
-                wide = [v.astype(np.float64) if v.dtype.kind == "f" else v for v in inputs]
+                info = infer_node(node, [TensorInfo(tuple(v.shape), str(v.dtype)) for v in arrays])
+                wide = [v.astype(np.float64) if v.dtype.kind == "f" else v for v in arrays]
                 return contiguous(run_node(node, wide).astype(info.dtype))
             except GraphError as err:
                 raise self.fail(str(err)) from None
@@ -196,15 +214,15 @@ class _Importer:
                 if not tt.HasField("shape"):
                     raise OnnxImportError(f"graph input {vi.name!r} has no shape; pass input_shapes="
                                           f"{{{vi.name!r}: (...)}}")
-                shape = []
+                dims: list[int] = []
                 for d, dim in enumerate(tt.shape.dim):
                     if dim.HasField("dim_value") and dim.dim_value > 0:
-                        shape.append(int(dim.dim_value))
+                        dims.append(int(dim.dim_value))
                     else:
                         sym = dim.dim_param or "?"
                         raise OnnxImportError(f"graph input {vi.name!r} has a symbolic dimension {sym!r} (axis {d}); "
                                               f"pass input_shapes={{{vi.name!r}: (...)}} with concrete sizes")
-                shape = tuple(shape)
+                shape = tuple(dims)
             if any(s <= 0 for s in shape):
                 raise OnnxImportError(f"graph input {vi.name!r}: shape {list(shape)} must be positive")
             self.env[vi.name] = self.b.input(vi.name, shape, dtype)
@@ -221,7 +239,7 @@ class _Importer:
         self.used.update(o.name for o in g.output)
         seen_labels: set[str] = set()
         for k, node in enumerate(g.node):
-            self.node = node
+            self._node = node
             label = node.name or f"{node.op_type}_{k}"
             while label in seen_labels or label in self.b.values:
                 label = f"{label}_{k}"
@@ -263,10 +281,25 @@ class _Importer:
 
 # ---------------------------------------------------------------------------------- converters
 
-def _ints(v, default=None) -> tuple[int, ...]:
+def _int_tuple(v: Iterable[Any]) -> tuple[int, ...]:
+    return tuple(int(x) for x in v)
+
+
+@overload
+def _ints(v: Any, default: tuple[int, ...]) -> tuple[int, ...]: ...
+@overload
+def _ints(v: Any, default: None = None) -> tuple[int, ...] | None: ...
+def _ints(v: Any, default: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
+    """An ints attribute as a tuple; `default` when it is absent (None)."""
     if v is None:
         return default
-    return tuple(int(x) for x in v)
+    return _int_tuple(v)
+
+
+def _required_ints(imp: _Importer, a: dict, name: str) -> tuple[int, ...]:
+    if a.get(name) is None:
+        raise imp.fail(f"missing required attribute {name!r}")
+    return _int_tuple(a[name])
 
 
 def _auto_pad(imp: _Importer, a: dict, in_hw, k_hw, s_hw, d_hw) -> tuple[int, int, int, int]:
@@ -306,9 +339,9 @@ def _lift_1d(imp: _Importer, x: _Value, a: dict) -> tuple[_Value, dict, Callable
     lifted = dict(a)
     for key in ("kernel_shape", "strides", "dilations"):
         if key in a:
-            lifted[key] = (1,) + _ints(a[key])
+            lifted[key] = (1,) + _ints(a[key], default=())
     if "pads" in a:
-        b, e = _ints(a["pads"])
+        b, e = _ints(a["pads"], default=(0, 0))
         lifted["pads"] = (0, b, 0, e)
     x4 = imp.emit("reshape", [x], output=f"{imp.node_label}.as_2d", shape=(shape[0], shape[1], 1, shape[2]))
 
@@ -355,9 +388,9 @@ def _conv(imp: _Importer):
         return _conv3d(imp)
     x, a, back = _lift_1d(imp, x, imp.attrs())
     if len(imp.shape(w)) == 3:
-        co, ci, k = imp.shape(w)
-        w = contiguous(w.reshape(co, ci, 1, k)) if isinstance(w, np.ndarray) else imp.emit(
-            "reshape", [w], output=f"{imp.node_label}.kernel_2d", shape=(co, ci, 1, k))
+        co, ci, kw = imp.shape(w)
+        w = contiguous(w.reshape(co, ci, 1, kw)) if isinstance(w, np.ndarray) else imp.emit(
+            "reshape", [w], output=f"{imp.node_label}.kernel_2d", shape=(co, ci, 1, kw))
     _need_2d(imp, x)
     k = _ints(a.get("kernel_shape"), default=tuple(imp.shape(w)[2:]))
     s, d = _ints(a.get("strides"), default=(1, 1)), _ints(a.get("dilations"), default=(1, 1))
@@ -379,17 +412,18 @@ def _conv_transpose(imp: _Importer):
     s, d = _ints(a.get("strides"), default=(1, 1)), _ints(a.get("dilations"), default=(1, 1))
     op = _ints(a.get("output_padding"), default=(0, 0))
     mode = a.get("auto_pad", "NOTSET")
+    pads: tuple[int, ...]                             # (top, left, bottom, right)
     if "output_shape" in a or mode in ("SAME_UPPER", "SAME_LOWER"):
         in_hw = imp.shape(x)[2:]
-        target = _ints(a.get("output_shape"))[-2:] if "output_shape" in a else tuple(v * st for v, st in zip(in_hw, s))
-        pads = []
+        target = _int_tuple(a["output_shape"])[-2:] if "output_shape" in a else tuple(v * st for v, st in zip(in_hw, s))
+        halves = []                                   # (begin, end) per spatial dim
         for size, k, st, dl, o, t in zip(in_hw, (kh, kw), s, d, op, target):
             total = st * (size - 1) + o + ((k - 1) * dl + 1) - t
             if total < 0:
                 raise imp.fail(f"output_shape {list(target)} is larger than the op can produce")
             lo = total // 2 if mode == "SAME_UPPER" else total - total // 2   # as the ONNX spec says
-            pads.append((lo, total - lo))
-        pads = (pads[0][0], pads[1][0], pads[0][1], pads[1][1])
+            halves.append((lo, total - lo))
+        pads = (halves[0][0], halves[1][0], halves[0][1], halves[1][1])
     elif mode in ("NOTSET", "", "VALID"):
         pads = (0, 0, 0, 0) if mode == "VALID" else _ints(a.get("pads"), default=(0, 0, 0, 0))
     else:
@@ -599,7 +633,8 @@ def _activation(op: str, *names: tuple[str, str]) -> Callable:
     """An elementwise op with float attributes: (ONNX attribute, graph attribute) pairs."""
     def convert(imp: _Importer):
         a = imp.attrs()
-        return imp.emit(op, [imp.inp(0)], **{mine: float(a[theirs]) for theirs, mine in names if theirs in a})
+        attrs: dict[str, Any] = {mine: float(a[theirs]) for theirs, mine in names if theirs in a}
+        return imp.emit(op, [imp.inp(0)], **attrs)
     return convert
 
 
@@ -620,7 +655,7 @@ def _rms_norm(imp: _Importer):
 def _expand(imp: _Importer):
     """Expand: numpy broadcasting of the input and the (constant) shape, both ways."""
     x = imp.inp(0)
-    target = tuple(int(v) for v in imp.const(1, "shape").reshape(-1))
+    target = tuple(int(v) for v in imp.required_const(1, "shape").reshape(-1))
     xs = imp.shape(x)
     rank = max(len(xs), len(target))
     a, b = (1,) * (rank - len(xs)) + tuple(xs), (1,) * (rank - len(target)) + target
@@ -664,7 +699,7 @@ def _pad(imp: _Importer):
     if imp.opset < 11:
         pads, value = _ints(a.get("pads")), float(a.get("value", 0.0))
     else:
-        pads = tuple(int(v) for v in imp.const(1, "pads").reshape(-1))
+        pads = tuple(int(v) for v in imp.required_const(1, "pads").reshape(-1))
         c = imp.const(2, "constant_value")
         value = 0.0 if c is None or c.size == 0 else float(c.reshape(-1)[0])
         axes_c = imp.const(3, "axes")
@@ -686,7 +721,7 @@ def _pad(imp: _Importer):
 
 def _tile(imp: _Importer):
     x = imp.inp(0)
-    reps = tuple(int(v) for v in imp.const(1, "repeats").reshape(-1))
+    reps = tuple(int(v) for v in imp.required_const(1, "repeats").reshape(-1))
     if isinstance(x, np.ndarray):
         return contiguous(np.tile(x, reps))
     if all(r == 1 for r in reps):
@@ -702,16 +737,17 @@ def _split(imp: _Importer) -> tuple[_Value, ...]:
     axis = int(a.get("axis", 0)) % len(shape)
     outs = [o for o in imp.node.output]
     if imp.opset < 13 and "split" in a:
-        sizes = list(_ints(a["split"]))
+        sizes = list(_ints(a["split"], default=()))
     elif imp.opset >= 13 and len(imp.node.input) > 1 and imp.node.input[1]:
-        sizes = [int(v) for v in imp.const(1, "split").reshape(-1)]
+        sizes = [int(v) for v in imp.required_const(1, "split").reshape(-1)]
     else:
         n = len(outs)
         step = -(-shape[axis] // n)                 # ONNX: equal parts, the last one smaller
         sizes = [min(step, shape[axis] - k * step) for k in range(n)]
     if len(sizes) != len(outs) or sum(sizes) != shape[axis] or min(sizes) < 0:
         raise imp.fail(f"split sizes {sizes} must be one per output ({len(outs)}) and add up to {shape[axis]}")
-    results, start = [], 0
+    results: list[_Value] = []
+    start = 0
     for size, name in zip(sizes, outs):
         begin, end, step_ = [0] * len(shape), list(shape), [1] * len(shape)
         begin[axis], end[axis] = start, start + size
@@ -797,9 +833,9 @@ def _reshape_to(imp: _Importer, x: _Value, shape: tuple[int, ...]):
 def _reshape(imp: _Importer):
     x = imp.inp(0)
     if imp.opset < 5:
-        target = list(_ints(imp.attrs().get("shape")))
+        target = list(_required_ints(imp, imp.attrs(), "shape"))
     else:
-        target = [int(v) for v in imp.const(1, "shape").reshape(-1)]
+        target = [int(v) for v in imp.required_const(1, "shape").reshape(-1)]
     allowzero = int(imp.attrs().get("allowzero", 0))
     in_shape = imp.shape(x)
     out = [in_shape[i] if v == 0 and not allowzero else v for i, v in enumerate(target)]
@@ -840,11 +876,11 @@ def _squeeze(imp: _Importer):
     axes = _axes(imp)
     if axes is None:
         axes = tuple(i for i, s in enumerate(shape) if s == 1)
-    axes = {a % len(shape) for a in axes}
-    bad = [a for a in axes if shape[a] != 1]
+    drop = {a % len(shape) for a in axes}
+    bad = [a for a in drop if shape[a] != 1]
     if bad:
         raise imp.fail(f"cannot squeeze axes {bad} of shape {list(shape)}: they are not 1")
-    return _reshape_to(imp, x, tuple(s for i, s in enumerate(shape) if i not in axes))
+    return _reshape_to(imp, x, tuple(s for i, s in enumerate(shape) if i not in drop))
 
 
 def _unsqueeze(imp: _Importer):
@@ -900,13 +936,13 @@ def _slice(imp: _Importer):
     x = imp.inp(0)
     shape = imp.shape(x)
     if imp.opset < 10:
-        a = imp.attrs()
-        starts, ends = list(_ints(a["starts"])), list(_ints(a["ends"]))
-        axes = list(_ints(a.get("axes"), default=tuple(range(len(starts)))))
+        attrs = imp.attrs()
+        starts, ends = list(_int_tuple(attrs["starts"])), list(_int_tuple(attrs["ends"]))
+        axes = list(_ints(attrs.get("axes"), default=tuple(range(len(starts)))))
         steps = [1] * len(starts)
     else:
-        starts = [int(v) for v in imp.const(1, "starts").reshape(-1)]
-        ends = [int(v) for v in imp.const(2, "ends").reshape(-1)]
+        starts = [int(v) for v in imp.required_const(1, "starts").reshape(-1)]
+        ends = [int(v) for v in imp.required_const(2, "ends").reshape(-1)]
         ax = imp.const(3, "axes")
         axes = list(range(len(starts))) if ax is None else [int(v) for v in ax.reshape(-1)]
         st = imp.const(4, "steps")
@@ -945,8 +981,9 @@ def _reduce(op: str, axes_input_from: int) -> Callable:
             axes = tuple(range(rank))
         keep = bool(int(a.get("keepdims", 1)))
         if isinstance(x, np.ndarray):
-            fn = {"reduce_mean": np.mean, "reduce_sum": np.sum, "reduce_max": np.max, "reduce_min": np.min}[op]
-            return np.asarray(fn(x, axis=axes, keepdims=keep), dtype=x.dtype)
+            fold: dict[str, Callable[..., Any]] = {"reduce_mean": np.mean, "reduce_sum": np.sum,
+                                                   "reduce_max": np.max, "reduce_min": np.min}
+            return np.asarray(fold[op](x, axis=axes, keepdims=keep), dtype=x.dtype)
         return imp.emit(op, [x], axes=axes, keepdims=keep)
     return convert
 
@@ -1000,8 +1037,11 @@ def _const_only(fn: Callable) -> Callable:
             raise imp.fail(f"{imp.node.op_type} on a run-time tensor is not supported (only on constants, "
                            f"e.g. in shape computations)")
         return contiguous(fn(imp, ins))
-    convert.constants_only = True  # type: ignore[attr-defined]
+    _CONSTANTS_ONLY.add(convert)
     return convert
+
+
+_CONSTANTS_ONLY: set[Callable] = set()     # the converters _const_only made
 
 
 def _folded_or(op: str, fn: Callable) -> Callable:
@@ -1021,11 +1061,16 @@ def _constant_of_shape(imp: _Importer, ins):
     return np.full(tuple(int(v) for v in ins[0]), value, dtype=np.asarray(value).dtype)
 
 
-CONVERTERS: dict[str, Callable[[_Importer], object]] = {
+def _global_avg_pool(imp: _Importer) -> _Value:
+    _need_2d(imp, imp.inp(0))
+    return imp.emit("global_avg_pool2d", [imp.inp(0)])
+
+
+CONVERTERS: dict[str, Callable[[_Importer], _Value | tuple[_Value, ...]]] = {
     "Conv": _conv, "ConvTranspose": _conv_transpose, "Gemm": _gemm, "MatMul": _matmul,
     "BatchNormalization": _batch_norm, "LayerNormalization": _layer_norm,
     "MaxPool": _pool("max"), "AveragePool": _pool("avg"),
-    "GlobalAveragePool": lambda imp: (_need_2d(imp, imp.inp(0)), imp.emit("global_avg_pool2d", [imp.inp(0)]))[1],
+    "GlobalAveragePool": _global_avg_pool,
     "Softmax": _softmax, "ReduceMean": _reduce("reduce_mean", 18), "ReduceSum": _reduce("reduce_sum", 13),
     "Add": _binary("add"), "Sub": _binary("sub"), "Mul": _binary("mul"), "Div": _binary("div"),
     "Pow": _binary("pow"), "Max": _binary("maximum"), "Min": _binary("minimum"),
@@ -1072,8 +1117,8 @@ MULTI_OUTPUT = {"Split", "LayerNormalization"}      # converters that return one
 
 def supported_ops_table() -> str:
     """The README's table of supported ops, made from CONVERTERS (tests/test_onnx_docs.py keeps them equal)."""
-    runtime = sorted(op for op, fn in CONVERTERS.items() if not getattr(fn, "constants_only", False))
-    folded = sorted(op for op, fn in CONVERTERS.items() if getattr(fn, "constants_only", False))
+    runtime = sorted(op for op, fn in CONVERTERS.items() if fn not in _CONSTANTS_ONLY)
+    folded = sorted(op for op, fn in CONVERTERS.items() if fn in _CONSTANTS_ONLY)
     header = "| on run-time tensors (computed by tuned kernels) | on constants only (folded at import) |"
     return "\n".join([header, "|---|---|",
                       f"| {', '.join(runtime)} | {', '.join(folded)} |"])
