@@ -204,3 +204,18 @@ def test_aot_library_stores_rewritten_weights(tmp_path):
         inputs = graph.random_inputs(seed)
         errors = relative_errors(m.run(inputs), graph.run_reference(inputs))
         assert all(e <= NETWORK_TOLERANCE for e in errors.values()), errors
+
+
+def test_a_rewritten_weight_gets_no_packing_stage():
+    """matmul's B[k, j] is packed per reduce tile in one of its sketches; rewritten at build time it is
+    stored in the tiled order already, so no sketch copies it at run time."""
+    dag = make_dag("matmul", 64, 64, 64)
+    b = dag.inputs[1].name
+    packed = SketchPolicy(make_task(dag, TARGET), params=SearchParams(), seed=0).sketches
+    assert any(st.origin == "cache_read" for sk in packed for st in sk.state.stages)
+    task = make_task(dag, TARGET, layout_rewrite=(b,))
+    pol = SketchPolicy(task, params=SearchParams(), seed=0)
+    assert not any(st.origin == "cache_read" for sk in pol.sketches for st in sk.state.stages)
+    for j, c in enumerate(pol.sample(3)):
+        assert weight_layout(c.state, b) is not None
+        _run_rewritten(c.state, (b,), seed=j)
