@@ -18,10 +18,12 @@ from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasure
 from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, build_network, relative_errors
 from tensortune.codegen.target import make_task
 from tensortune.codegen.timing import ErrorCode, TimingConfig
+from tensortune.flows.tuning import network_tasks
 from tensortune.schedule.layout_rewrite import WeightLayout, weight_layout
 from tensortune.schedule.state import State
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tensortune.tasks.extract import extract_tasks
+from tensortune.tasks.graph import GraphBuilder
 from tensortune.tasks.models import make_network
 from tensortune.tasks.reference import evaluate, mismatch
 from tensortune.tasks.search_task import SearchTask
@@ -219,3 +221,23 @@ def test_a_rewritten_weight_gets_no_packing_stage():
     for j, c in enumerate(pol.sample(3)):
         assert weight_layout(c.state, b) is not None
         _run_rewritten(c.state, (b,), seed=j)
+
+
+def test_extraction_names_weights_constant_in_every_occurrence():
+    """Two dense ops of one workload: the weight is layout-free only while every occurrence reads a
+    constant (here the second reads a graph input), and network tuning tasks opt in with those names."""
+    g = GraphBuilder("two_dense")
+    x, w_in = g.input("x", (2, 16)), g.input("w", (16, 16))
+    rng = np.random.default_rng(0)
+    a = g.add("dense", [x, g.constant(rng.standard_normal((16, 16)).astype("float32"))], name="d0")
+    both = g.add("dense", [a, w_in], name="d1")
+    net = extract_tasks(g.build([both]))
+    assert [t.weight for t in net.tasks] == [2] and net.tasks[0].layout_free == ()
+    g = GraphBuilder("one_dense")
+    x = g.input("x", (2, 16))
+    d = g.add("dense", [x, g.constant(rng.standard_normal((16, 16)).astype("float32"))], name="d0")
+    net = extract_tasks(g.build([g.add("relu", [d], name="r")]))
+    assert net.tasks[0].layout_free == (net.tasks[0].dag.inputs[1].name,)
+    _, tasks = network_tasks("resnet-18", TARGET, image_size=32)
+    assert all(t.layout_rewrite == ("kernel",) for t in tasks if t.name.startswith("conv2d"))
+    assert all(t.layout_rewrite == () for t in tasks if "pool" in t.name)
