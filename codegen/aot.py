@@ -9,7 +9,9 @@
   run, and never by the output of a kernel that reads it); the arena is a zero-initialised global (.bss),
   so a library runs one network at a time per process.
 - `<name>.weights.bin`: the constants the kernels read, each in the dtype and C-contiguous layout its
-  kernel takes, at 64-byte aligned offsets (the library holds the offsets, the caller the bytes).
+  kernel takes, at 64-byte aligned offsets (the library holds the offsets, the caller the bytes): a
+  task's constant weights in the layout its schedule reads them in (schedule.layout_rewrite), as the
+  JIT network runtime stores them.
 - `manifest.json`: network, target (CPU, features, threads, triple), inputs and outputs, every kernel's
   record (workload key and steps) or "default", the weights file's size, tensortune's version.
 
@@ -48,6 +50,7 @@ from tensortune.codegen.lower import LoweringError, lower
 from tensortune.codegen.network_runtime import task_schedule
 from tensortune.codegen.target import Target, parse_target
 from tensortune.schedule.default_schedule import default_schedule
+from tensortune.schedule.layout_rewrite import WeightLayout, weight_layouts
 from tensortune.schedule.stage import IllegalStep
 from tensortune.tasks.extract import NetworkTasks
 
@@ -82,6 +85,7 @@ class KernelInfo:
     schedule: str                  # "record" | "default" | "default (record failed...)"
     steps: object = None           # the record's steps (JSON) when built from it
     build_seconds: float = 0.0
+    layouts: dict[str, WeightLayout] = field(default_factory=dict)   # inputs the kernel takes rewritten
 
 
 @dataclass
@@ -110,6 +114,9 @@ class _Plan:
     consts: dict[str, int]                 # constant root -> offset in the weights blob
     weights_bytes: int
     copies: list[tuple[int, str]]          # (output index, value root) copied at the end of a run
+    # rewritten weights: (group index, input index) -> offset, and (constant root, layout) -> offset
+    group_consts: dict[tuple[int, int], int] = field(default_factory=dict)
+    rewritten: dict[tuple[str, WeightLayout], int] = field(default_factory=dict)
 
 
 def _align(n: int) -> int:
@@ -120,8 +127,11 @@ def _nbytes(info) -> int:
     return int(math.prod(info.shape)) * np.dtype(info.dtype).itemsize
 
 
-def plan(net: NetworkTasks) -> _Plan:
+def plan(net: NetworkTasks, layouts: Mapping[int, Mapping[str, WeightLayout]] | None = None) -> _Plan:
+    """Storage of every value; `layouts[task]` names the inputs task's kernel takes rewritten, which
+    get their own place in the weights (one per constant and layout)."""
     graph, groups = net.graph, net.groups
+    layouts = layouts or {}
     root = lambda v: net.aliases.get(v, v)  # noqa: E731
     where: dict[str, tuple[str, int]] = {}
     for i, name in enumerate(graph.inputs):
@@ -135,10 +145,19 @@ def plan(net: NetworkTasks) -> _Plan:
         else:
             copies.append((j, r))
     consts: dict[str, int] = {}
+    group_consts: dict[tuple[int, int], int] = {}
+    rewritten: dict[tuple[str, WeightLayout], int] = {}
     offset = 0
-    for g in groups:
-        for v in g.inputs:
+    for gi, g in enumerate(groups):
+        for k, v in enumerate(g.inputs):
             r = root(v)
+            lay = layouts.get(g.task, {}).get(net.tasks[g.task].dag.inputs[k].name)
+            if r in graph.constants and lay is not None:
+                if (r, lay) not in rewritten:
+                    rewritten[(r, lay)] = offset
+                    offset = _align(offset + math.prod(lay.new_shape) * graph.constants[r].itemsize)
+                group_consts[(gi, k)] = rewritten[(r, lay)]
+                continue
             if r in graph.constants and r not in consts:
                 consts[r] = offset
                 where[r] = ("const", offset)
@@ -169,10 +188,11 @@ def plan(net: NetworkTasks) -> _Plan:
         for r in {root(v) for v in g.inputs} | {g.output}:
             if r in live and last_use.get(r, i) <= i:
                 free.append(live.pop(r))
-    missing = [root(v) for g in groups for v in g.inputs if root(v) not in where]
+    missing = [root(v) for gi, g in enumerate(groups) for k, v in enumerate(g.inputs)
+               if root(v) not in where and (gi, k) not in group_consts]
     if missing:
         raise AOTError(f"no storage for value(s) {sorted(set(missing))}: not an input, constant or task output")
-    return _Plan(where, top, consts, offset, copies)
+    return _Plan(where, top, consts, offset, copies, group_consts, rewritten)
 
 
 # ------------------------------------------------------------------------------------------- driver IR
@@ -249,8 +269,8 @@ def driver_ir(net: NetworkTasks, pl: _Plan, p: str, kernel_names: list[str],
         body += [f"  %out{j}.a = getelementptr ptr, ptr %outputs, i64 {j}", f"  %out{j} = load ptr, ptr %out{j}.a"]
     tmp = iter(range(1 << 30))
 
-    def pointer(value: str) -> str:
-        kind, at = pl.where[root(value)]
+    def pointer(value: str, place: tuple[int, int] | None = None) -> str:
+        kind, at = ("const", pl.group_consts[place]) if place in pl.group_consts else pl.where[root(value)]
         if kind == "input":
             return f"%in{at}"
         if kind == "output":
@@ -260,8 +280,8 @@ def driver_ir(net: NetworkTasks, pl: _Plan, p: str, kernel_names: list[str],
         body.append(f"  {name} = getelementptr i8, ptr {base}, i64 {at}")
         return name
 
-    for g, k in zip(net.groups, (kernel_names[g.task] for g in net.groups)):
-        args = [pointer(v) for v in (*g.inputs, g.output)]
+    for gi, (g, k) in enumerate(zip(net.groups, (kernel_names[g.task] for g in net.groups))):
+        args = [pointer(v, (gi, j)) for j, v in enumerate(g.inputs)] + [pointer(g.output)]
         body.append(f"  call void @{k}({', '.join('ptr ' + a for a in args)})")
     for j, r in pl.copies:
         body.append(f"  call void @llvm.memcpy.p0.p0.i64(ptr %out{j}, ptr {pointer(r)}, "
@@ -278,16 +298,19 @@ def _kernel_ir(net: NetworkTasks, i: int, steps, target: Target, name: str) -> t
     t0 = time.perf_counter()
     state, source = task_schedule(task, steps)
     try:
-        func = lower(state, name=name, target_kind="cpu")
+        layouts = weight_layouts(state, task.layout_free)
+        func = lower(state, name=name, target_kind="cpu", layouts=layouts)
     except (LoweringError, IllegalStep, ValueError) as err:
         if source != "record":
             raise AOTError(f"task {i} ({task.name}): the default schedule does not lower: {err}") from err
         source = f"default (record failed to lower: {str(err)[:120]})"
-        func = lower(default_schedule(task.dag), name=name, target_kind="cpu")
+        state = default_schedule(task.dag)
+        layouts = weight_layouts(state, task.layout_free)
+        func = lower(state, name=name, target_kind="cpu", layouts=layouts)
     ir = generate_llvm_ir(func, target.cpu, target.features, target.num_threads)
     info = KernelInfo(i, task.name, task.workload_key, task.weight, task.flops, source,
                       json.loads(steps) if source == "record" and isinstance(steps, str) else
-                      (steps if source == "record" else None), time.perf_counter() - t0)
+                      (steps if source == "record" else None), time.perf_counter() - t0, layouts)
     return ir, info, len(func.args)
 
 
@@ -351,7 +374,6 @@ def compile_network(net: NetworkTasks, records: Mapping[str, str | list | None] 
     records = records or {}
     p = c_name(name or net.source.name)
     os.makedirs(out_dir, exist_ok=True)
-    pl = plan(net)
     irs, kernels, names, arity = [], [], [], []
     for i in range(len(net.tasks)):
         kname = f"{p}_k{i}"
@@ -360,6 +382,7 @@ def compile_network(net: NetworkTasks, records: Mapping[str, str | list | None] 
         kernels.append(info)
         names.append(kname)
         arity.append(n)
+    pl = plan(net, {k.index: k.layouts for k in kernels})
     driver = driver_ir(net, pl, p, names, arity)
     lib = os.path.join(out_dir, f"{p}.so")
     _link(compile_module([driver, *irs], t), lib, cc)
@@ -367,6 +390,9 @@ def compile_network(net: NetworkTasks, records: Mapping[str, str | list | None] 
     blob = np.zeros(pl.weights_bytes, dtype=np.uint8)
     for r, off in pl.consts.items():
         arr = np.ascontiguousarray(net.graph.constants[r])
+        blob[off: off + arr.nbytes] = np.frombuffer(arr.tobytes(), dtype=np.uint8)
+    for (r, lay), off in pl.rewritten.items():
+        arr = lay.transform(net.graph.constants[r].reshape(lay.shape))
         blob[off: off + arr.nbytes] = np.frombuffer(arr.tobytes(), dtype=np.uint8)
     blob.tofile(weights)
     graph = net.graph
@@ -386,7 +412,8 @@ def compile_network(net: NetworkTasks, records: Mapping[str, str | list | None] 
         "calls": len(net.groups),
         "kernels": [{"index": k.index, "name": k.name, "symbol": names[k.index], "workload_key": k.workload_key,
                      "weight": k.weight, "flops": k.flops,
-                     "schedule": k.schedule, "steps": k.steps} for k in kernels],
+                     "schedule": k.schedule, "steps": k.steps,
+                     "layouts": [lay.to_json() for lay in k.layouts.values()]} for k in kernels],
         "tensortune_version": tensortune_version(),
         **(dict(extra) if extra else {}),
     }

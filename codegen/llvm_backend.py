@@ -20,6 +20,7 @@ from tensortune.codegen.llvm_codegen import generate_llvm_ir
 from tensortune.codegen.lower import lower
 from tensortune.codegen.target import Target, parse_target
 from tensortune.codegen.timing import ErrorCode, TimingConfig, flush_cpu_cache, load_reference, time_runs
+from tensortune.schedule.layout_rewrite import WeightLayout, weight_layouts
 from tensortune.schedule.state import State
 from tensortune.tasks.reference import mismatch
 from tensortune.tasks.search_task import SearchTask
@@ -109,16 +110,22 @@ def assembly(ir: str, target: Target) -> str:
         return tm.emit_assembly(mod)
 
 
-def build_lowered(func: LoweredFunc, target: Target | str = "llvm", keep_source: bool = False) -> Artifact:
+def build_lowered(func: LoweredFunc, target: Target | str = "llvm", keep_source: bool = False,
+                  layouts: tuple[WeightLayout, ...] = ()) -> Artifact:
     target = parse_target(target)
     ir = generate_llvm_ir(func, target.cpu, target.features, target.num_threads)
     obj = compile_ir(ir, target)
     return Artifact("llvm", func.name, obj, tuple((b.name, b.shape, b.dtype) for b in func.args),
-                    source=ir if keep_source else "")
+                    source=ir if keep_source else "", layouts=layouts)
 
 
-def build(state: State, target: Target | str = "llvm", keep_source: bool = False) -> Artifact:
-    return build_lowered(lower(state, target_kind="cpu"), target, keep_source)
+def build(state: State, target: Target | str = "llvm", keep_source: bool = False,
+          rewrite: tuple[str, ...] = ()) -> Artifact:
+    """Compile a state; the inputs named in `rewrite` (constant weights of a task that opted in) are
+    taken in the layout the schedule reads them in where the rule applies (the artifact lists them)."""
+    layouts = weight_layouts(state, rewrite) if rewrite else {}
+    return build_lowered(lower(state, target_kind="cpu", layouts=layouts), target, keep_source,
+                         tuple(layouts.values()))
 
 
 class LLVMKernel:
@@ -177,6 +184,8 @@ def run_artifact(task: SearchTask, artifact: Artifact, cfg: TimingConfig) -> tup
     kernel = LLVMKernel(artifact)
     if cfg.check_correctness and cfg.reference:
         inputs, refs = load_reference(cfg.reference, len(task.dag.inputs))
+        # a rewritten kernel is checked on the same reference weights, stored as the network stores them
+        inputs = artifact.layout_inputs([t.name for t in task.dag.inputs], inputs)
         outs = [np.full(t.shape, np.nan, dtype=t.dtype) if np.issubdtype(np.dtype(t.dtype), np.floating)
                 else np.zeros(t.shape, dtype=t.dtype) for t in task.dag.outputs]
         kernel(*inputs, *outs)
@@ -186,7 +195,8 @@ def run_artifact(task: SearchTask, artifact: Artifact, cfg: TimingConfig) -> tup
                 return [], int(ErrorCode.WRONG_ANSWER), f"{t.name}: {bad}"
         args = list(inputs) + outs
     else:
-        args = task.dag.random_inputs(seed=7) + task.dag.empty_outputs()
+        args = artifact.layout_inputs([t.name for t in task.dag.inputs], task.dag.random_inputs(seed=7)) + \
+            task.dag.empty_outputs()
     packed = kernel.pack(args)
     warm = cfg.check_correctness and cfg.reference is not None        # the check already ran it
     best = _BEST_SEEN.get(task.workload_key)

@@ -8,6 +8,7 @@ buffer, and stores are guarded where an imperfect split or a clamped region coul
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from tensortune.codegen.ir import (
     Allocate,
@@ -24,6 +25,7 @@ from tensortune.codegen.ir import (
     seq,
     walk_stmts,
 )
+from tensortune.schedule.layout_rewrite import WeightLayout
 from tensortune.schedule.loop_structure import loop_structure
 from tensortune.schedule.stage import GPU_BINDINGS, Stage
 from tensortune.schedule.state import State
@@ -62,10 +64,14 @@ def _all(conds: list[Expr]) -> Expr | None:
 
 
 class _Lowering:
-    def __init__(self, state: State, target_kind: str):
+    def __init__(self, state: State, target_kind: str, layouts: Mapping[str, WeightLayout] | None = None):
         if not state.concrete:
             raise LoweringError("the state still has unfilled split lengths (a sketch); fill them first")
         self.state, self.target_kind = state, target_kind
+        self.layouts = dict(layouts or {})
+        unknown = set(self.layouts) - {t.name for t in state.dag.inputs}
+        if unknown:
+            raise LoweringError(f"layouts for {sorted(unknown)}, which are not inputs of the DAG")
         self.stages = state.stages
         self.by_name = {s.name: i for i, s in enumerate(self.stages)}
         self.inlined = {s.name for s in self.stages if s.compute_at == "inline"}
@@ -164,7 +170,9 @@ class _Lowering:
     def _make_buffers(self) -> list[Buffer]:
         args = []
         for t in self.state.dag.args:
-            b = Buffer(t.name, t.dtype, t.shape, dense_strides(t.shape), "arg")
+            # a rewritten weight is the argument in its new layout (_buffer_index maps the indices)
+            shape = self.layouts[t.name].new_shape if t.name in self.layouts else t.shape
+            b = Buffer(t.name, t.dtype, shape, dense_strides(shape), "arg")
             args.append(b)
             if t.name in self.info:
                 self.info[t.name].buffer = b
@@ -190,6 +198,8 @@ class _Lowering:
             if info.offset:
                 indices = [i - lo for i, lo in zip(indices, info.lo)]
             return info.buffer, info.buffer.flat(indices)
+        if name in self.layouts:
+            indices = self.layouts[name].index(indices)
         return self.arg_buffers[name], self.arg_buffers[name].flat(indices)
 
     def _lower_expr(self, e: Expr, values: dict) -> Expr:
@@ -424,6 +434,9 @@ def _vectorizable(loop: For) -> bool:
     return True
 
 
-def lower(state: State, name: str = "default_function", target_kind: str = "cpu") -> LoweredFunc:
-    """The loop-nest program of a concrete state (target_kind 'cpu' or 'cuda')."""
-    return _Lowering(state, target_kind).run(name)
+def lower(state: State, name: str = "default_function", target_kind: str = "cpu",
+          layouts: Mapping[str, WeightLayout] | None = None) -> LoweredFunc:
+    """The loop-nest program of a concrete state (target_kind 'cpu' or 'cuda'). `layouts` names inputs
+    the kernel takes in a rewritten layout (schedule.layout_rewrite): their argument buffers have the
+    new shape and every load reads through the layout's index map."""
+    return _Lowering(state, target_kind, layouts).run(name)

@@ -65,7 +65,7 @@ def build_job(payload: tuple) -> Artifact:
         from tensortune.codegen.cuda_backend import build as build_cuda
         return build_cuda(state, task.target, keep_source, hardware=task.hardware)
     from tensortune.codegen.llvm_backend import build
-    return build(state, task.target, keep_source)
+    return build(state, task.target, keep_source, rewrite=task.layout_rewrite)
 
 
 def run_job(payload: tuple) -> tuple[list[float], int, str]:

@@ -138,6 +138,8 @@ class CompiledNetwork:
             kernel = kernels[g.task].kernel
             dag = net.tasks[g.task].dag
             args = [self._array(v).reshape(t.shape) for v, t in zip(g.inputs, dag.inputs)]
+            if kernel.artifact.layouts:       # constant weights stored as the kernel reads them, once
+                args = kernel.artifact.layout_inputs([t.name for t in dag.inputs], args)
             args.append(self._array(g.output))
             self._calls.append((kernel, kernel.pack(args), args))
 
@@ -247,9 +249,10 @@ def task_schedule(task: ExtractedTask, steps: str | list | None) -> tuple[State,
 
 
 def build_network(net: NetworkTasks, records: Mapping[str, str | list | None] | None = None,
-                  target: str = "llvm") -> CompiledNetwork:
+                  target: str = "llvm", layout_rewrite: bool = True) -> CompiledNetwork:
     """Compile every task (from `records[workload_key]` steps where present, else the default schedule)
-    and plan the network's buffers."""
+    and plan the network's buffers. With `layout_rewrite` (as network tuning measures), each task's
+    constant weights are stored in the layout its schedule reads them in (schedule.layout_rewrite)."""
     t = parse_target(target)
     if t.kind != "llvm":
         raise ValueError(f"run-network builds for the host CPU only (target 'llvm'), got {target!r}")
@@ -258,13 +261,14 @@ def build_network(net: NetworkTasks, records: Mapping[str, str | list | None] | 
     for task in net.tasks:
         t0 = time.perf_counter()
         state, source = task_schedule(task, records.get(task.workload_key))
+        rewrite = task.layout_free if layout_rewrite else ()
         try:
-            artifact = build(state, t)
+            artifact = build(state, t, rewrite=rewrite)
         except (LoweringError, IllegalStep, ValueError) as err:
             if source != "record":
                 raise
             source = f"default (record failed to build: {str(err)[:120]})"
-            artifact = build(default_schedule(task.dag), t)
+            artifact = build(default_schedule(task.dag), t, rewrite=rewrite)
         kernels.append(TaskKernel(task.name, task.workload_key, task.weight, task.flops, source,
                                   LLVMKernel(artifact), time.perf_counter() - t0))
     return CompiledNetwork(net, kernels)

@@ -123,7 +123,10 @@ def _local_gpu() -> Target | None:
     return Target("cuda", arch=arch, options=options, hardware=hw)
 
 
-def make_task(dag: ComputeDAG, target: str | Target = "llvm", name: str = "", weight: int = 1) -> SearchTask:
-    """A SearchTask whose hardware limits come from the parsed target (the host CPU for 'llvm')."""
+def make_task(dag: ComputeDAG, target: str | Target = "llvm", name: str = "", weight: int = 1,
+              layout_rewrite: tuple[str, ...] = ()) -> SearchTask:
+    """A SearchTask whose hardware limits come from the parsed target (the host CPU for 'llvm');
+    `layout_rewrite` names the constant weights its kernels take rewritten (CPU only)."""
     t = parse_target(target)
-    return SearchTask(dag, str(t), t.hardware, name or dag.name, weight)
+    return SearchTask(dag, str(t), t.hardware, name or dag.name, weight,
+                      tuple(layout_rewrite) if t.kind == "llvm" else ())

@@ -235,7 +235,9 @@ def network_tasks(network: str | Graph, target: str = "llvm", **options) -> tupl
     ONNX model) split into its tuning tasks for `target`."""
     graph = make_network(network, **options) if isinstance(network, str) else network
     net = extract_tasks(graph)
-    return net, [make_task(t.dag, target, t.name, t.weight) for t in net.tasks]
+    # network tasks opt in to layout rewrite: tuning times each kernel with its constant weights stored
+    # as build_network stores them
+    return net, [make_task(t.dag, target, t.name, t.weight, t.layout_free) for t in net.tasks]
 
 
 @dataclass

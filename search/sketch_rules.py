@@ -184,11 +184,13 @@ class AddCacheRead(SketchRule):
 class AddCacheReadPack(SketchRule):
     """CPU: pack an operand that the tiled consumer walks across rows into a local buffer at the
     consumer's outermost reduce tile (not in Ansor: BLAS-style packing; see utils.strided_operand_consumer).
-    The unpacked sketch is kept too, so the search decides."""
+    The unpacked sketch is kept too, so the search decides. A constant weight the task rewrites
+    (`SearchTask.layout_rewrite`) is stored in its tiled read order when the network is built, packed
+    once instead of on every call, so it gets no packing stage."""
     name = "add_cache_read_pack"
 
     def meet_condition(self, ctx, state, sid):
-        if ctx.is_gpu or ctx.params.disable_cpu_packing:
+        if ctx.is_gpu or ctx.params.disable_cpu_packing or state.stages[sid].name in ctx.task.layout_rewrite:
             return Condition.PASS
         return Condition.PASS if utils.strided_operand_consumer(state, sid) is None else Condition.APPLY
 

@@ -224,6 +224,7 @@ class _GroupBuilder:
         self.graph, self.nodes = graph, nodes
         self.env: dict[str, Tensor] = {}
         self.placeholders: dict[str, Tensor] = {}
+        self.roles: dict[str, str] = {}          # graph value -> the role it was read in first
         self.node: Node | None = None
 
     def info(self, i: int) -> TensorInfo:
@@ -254,6 +255,7 @@ class _GroupBuilder:
             return self.placeholders[v]
         t = te.placeholder(shape, info.dtype, role)
         self.placeholders[v] = t
+        self.roles[v] = role
         return t
 
     def build(self) -> tuple[ComputeDAG, list[str]]:
@@ -536,6 +538,9 @@ class ExtractedTask:
     name: str
     dag: ComputeDAG
     weight: int = 1
+    # DAG inputs that are constant weights in every occurrence (layout rewrite may store them in the
+    # order the tuned kernel reads them; see WEIGHT_ROLES)
+    layout_free: tuple[str, ...] = ()
 
     @property
     def workload_key(self) -> str:
@@ -583,6 +588,16 @@ class NetworkTasks:
                 for i, t in enumerate(self.tasks)]
 
 
+# The roles of the inputs an anchor reads as its weights (conv and transposed-conv kernels, dense
+# weights, a matmul's right operand): when such an input is a constant of the graph, its layout is free.
+WEIGHT_ROLES = ("kernel", "weight", "B")
+
+
+def _layout_free(graph: Graph, builder: _GroupBuilder, inputs: list[str]) -> set[int]:
+    """The positions of this occurrence's DAG inputs that are constant weights."""
+    return {i for i, v in enumerate(inputs) if v in graph.constants and builder.roles.get(v) in WEIGHT_ROLES}
+
+
 def extract_tasks(graph: Graph) -> NetworkTasks:
     """Simplify, partition, build each group's ComputeDAG and dedup them by workload key."""
     origin: dict[str, str | None] = {}
@@ -592,13 +607,18 @@ def extract_tasks(graph: Graph) -> NetworkTasks:
     by_key: dict[str, int] = {}
     built: list[FusedGroup] = []
     for nodes in groups:
-        dag, inputs = _GroupBuilder(simple, nodes).build()
+        builder = _GroupBuilder(simple, nodes)
+        dag, inputs = builder.build()
         key = dag.workload_key
+        free = _layout_free(simple, builder, inputs)
         if key in by_key:
-            tasks[by_key[key]].weight += 1
+            t = tasks[by_key[key]]
+            t.weight += 1
+            t.layout_free = tuple(t.dag.inputs[i].name for i in sorted(free)
+                                  if t.dag.inputs[i].name in t.layout_free)
         else:
             by_key[key] = len(tasks)
-            tasks.append(ExtractedTask(dag.name, dag))
+            tasks.append(ExtractedTask(dag.name, dag, layout_free=tuple(dag.inputs[i].name for i in sorted(free))))
         built.append(FusedGroup(tuple(n.name for n in nodes), tuple(inputs), nodes[-1].output, by_key[key]))
     order = _execution_order(simple, groups, aliases)
     ordered = [built[i] for i in order]

@@ -31,6 +31,11 @@ class SearchTask:
     hardware: HardwareParams = field(default_factory=HardwareParams)
     name: str = ""
     weight: int = 1
+    # Inputs that are constant weights the task's kernel may take in the layout its schedule reads them
+    # in (schedule.layout_rewrite), rewritten once at network build time; network extraction names them,
+    # a stand-alone workload has none and keeps its plain layouts. Measuring such a task times the
+    # rewritten kernel, as the network runs it.
+    layout_rewrite: tuple[str, ...] = ()
 
     @property
     def workload_key(self) -> str:
@@ -50,14 +55,17 @@ class SearchTask:
         return self.dag.flop_ct
 
     def to_json(self) -> str:
-        return json.dumps({"dag": self.dag.to_json(), "target": self.target, "hardware": asdict(self.hardware),
-                           "name": self.name, "weight": self.weight}, separators=(",", ":"))
+        d = {"dag": self.dag.to_json(), "target": self.target, "hardware": asdict(self.hardware),
+             "name": self.name, "weight": self.weight}
+        if self.layout_rewrite:
+            d["layout_rewrite"] = list(self.layout_rewrite)
+        return json.dumps(d, separators=(",", ":"))
 
     @staticmethod
     def from_json(text: str) -> "SearchTask":
         d = json.loads(text)
         return SearchTask(ComputeDAG.from_json(d["dag"]), d["target"], HardwareParams(**d["hardware"]),
-                          d.get("name", ""), d.get("weight", 1))
+                          d.get("name", ""), d.get("weight", 1), tuple(d.get("layout_rewrite", ())))
 
     def __repr__(self) -> str:
         return f"SearchTask({self.name or self.dag.name}, {self.target}, key={self.workload_key})"
