@@ -171,6 +171,22 @@ def test_the_readme_history_recipes_answer_per_shape(run):
     assert scope["errors"].sum() == len(frame)
 
 
+def test_the_readme_duckdb_and_polars_recipes_agree_with_pandas(run):
+    """The README's DuckDB/polars block, run as written against the store the command wrote, gives each
+    task's (each shape's) best latency, as pandas does."""
+    code, text, records, _ = run
+    assert code == 0, text[-5000:]
+    scope: dict = {}
+    exec(_readme_block("The same snapshot in DuckDB and polars").replace('"tuning-records"', repr(records)), scope)
+    frame = RecordStore(records).read()
+    ok = frame[frame["error_code"] == 0]
+    expected = {(str(t), str(label)): v for (t, label), v in
+                ok.groupby(["target", "task_label"], observed=True)["mean_latency"].min().items()}
+    sql = {(r.target, r.task_label): r.best_s for r in scope["best_sql"].itertuples()}
+    pol = {(r["target"], r["task_label"]): r["best_s"] for r in scope["best_pl"].to_dicts()}
+    assert len(expected) > 1 and sql == pytest.approx(expected) and pol == pytest.approx(expected)
+
+
 @pytest.mark.slow
 def test_ctrl_c_ends_the_flow_with_one_line_and_no_worker_traceback(tmp_path):
     """Ctrl-C to the command's process group mid-flow: exit 130, one `interrupted:` line counting this
