@@ -132,7 +132,10 @@ def plan(net: NetworkTasks, layouts: Mapping[int, Mapping[str, WeightLayout]] | 
     get their own place in the weights (one per constant and layout)."""
     graph, groups = net.graph, net.groups
     layouts = layouts or {}
-    root = lambda v: net.aliases.get(v, v)  # noqa: E731
+
+    def root(v: str) -> str:
+        return net.aliases.get(v, v)          # a view's storage is that of the value it views
+
     where: dict[str, tuple[str, int]] = {}
     for i, name in enumerate(graph.inputs):
         where[name] = ("input", i)
@@ -240,7 +243,10 @@ def driver_ir(net: NetworkTasks, pl: _Plan, p: str, kernel_names: list[str],
     """The driver and query functions; the kernels are declared (or, with `stub_kernels`, defined as
     empty non-inlined functions behind a memory barrier, to measure the driver's own cost)."""
     graph = net.graph
-    root = lambda v: net.aliases.get(v, v)  # noqa: E731
+
+    def root(v: str) -> str:
+        return net.aliases.get(v, v)
+
     ins = [(k, tuple(v.shape), v.dtype) for k, v in graph.inputs.items()]
     outs = [(k, tuple(graph.values[k].shape), graph.values[k].dtype) for k in graph.outputs]
     lines = ["@.weights = internal global ptr null, align 8",

@@ -52,14 +52,27 @@ class _StageInfo:
     loops: dict = field(default_factory=dict)          # leaf var -> extent
     values: dict = field(default_factory=dict)         # root axis -> absolute index expr
     conds: list[Expr] = field(default_factory=list)
-    buffer: Buffer | None = None
+    buffer: Buffer | None = None  # set by _make_buffers, before any statement is built
     offset: bool = False          # buffer holds the region only (indices are shifted by lo)
 
+    @property
+    def buf(self) -> Buffer:
+        """The stage's buffer, once _make_buffers has given every stage one."""
+        assert self.buffer is not None, f"{self.stage.name}: statements are built only after _make_buffers"
+        return self.buffer
 
-def _all(conds: list[Expr]) -> Expr | None:
-    out = None
-    for c in conds:
-        out = c if out is None else te.compare("and", out, c)
+
+def _attach(st: Stage) -> tuple[str, Var]:
+    """(target stage, its loop var) of a stage computed at another stage's loop (compute_at 'iter')."""
+    assert st.attach is not None, f"{st.name} is computed at a loop ('iter') but names no loop"
+    return st.attach
+
+
+def _all(conds: list[Expr]) -> Expr:
+    """The conjunction of a non-empty list of conditions."""
+    out = conds[0]
+    for c in conds[1:]:
+        out = te.compare("and", out, c)
     return out
 
 
@@ -89,8 +102,9 @@ class _Lowering:
         st = self.stages[self.by_name[name]]
         if st.compute_at != "iter":
             return []
-        target = self.stages[self.by_name[st.attach[0]]]
-        j = target.iter_index(st.attach[1])
+        target_name, target_var = _attach(st)
+        target = self.stages[self.by_name[target_name]]
+        j = target.iter_index(target_var)
         return self._enclosing(target.name) + [it.var for it in target.iters[:j + 1]]
 
     # ------------------------------------------------------------------ bound inference
@@ -109,7 +123,7 @@ class _Lowering:
         failed = [False] * op.ndim
         for reader in readers:
             if not self.state.computed_within(reader, info.stage.name):
-                raise LoweringError(f"{info.stage.name} is computed inside {info.stage.attach[0]}'s loop but "
+                raise LoweringError(f"{info.stage.name} is computed inside {_attach(info.stage)[0]}'s loop but "
                                     f"{reader} reads it outside that loop; compute it at a common loop instead")
             rinfo = self.info[reader]
             roots = rinfo.values
@@ -124,17 +138,20 @@ class _Lowering:
                         failed[d] = True
                         continue
                     lo, hi = b
-                    lows[d] = lo if lows[d] is None else affine_min(lows[d], lo)
-                    highs[d] = hi if highs[d] is None else affine_max(highs[d], hi)
+                    low, high = lows[d], highs[d]
+                    lows[d] = lo if low is None else affine_min(low, lo)
+                    highs[d] = hi if high is None else affine_max(high, hi)
                     if lows[d] is None or highs[d] is None:
                         failed[d] = True
         info.lo, info.extent = [], []
         for d, size in enumerate(op.shape):
-            if failed[d] or lows[d] is None:
+            low, high = lows[d], highs[d]
+            # (both bounds are set or neither: a dimension whose min or max failed is marked failed)
+            if failed[d] or low is None or high is None:
                 info.lo.append(te.const(0))
                 info.extent.append(size)
                 continue
-            width = highs[d] - lows[d]
+            width = high - low
             if width.is_const():
                 ext = width.const + 1
             else:
@@ -142,7 +159,7 @@ class _Lowering:
                 ext = size if top == float("inf") else int(top) + 1
             ext = max(1, min(ext, size))
             # A region as large as the tensor is the whole tensor: no offset, no guards.
-            info.lo.append(te.const(0) if ext == size else lows[d].to_expr())
+            info.lo.append(te.const(0) if ext == size else low.to_expr())
             info.extent.append(ext)
 
     def _fill_structure(self, info: _StageInfo) -> None:
@@ -197,7 +214,7 @@ class _Lowering:
             info = self.info[name]
             if info.offset:
                 indices = [i - lo for i, lo in zip(indices, info.lo)]
-            return info.buffer, info.buffer.flat(indices)
+            return info.buf, info.buf.flat(indices)
         if name in self.layouts:
             indices = self.layouts[name].index(indices)
         return self.arg_buffers[name], self.arg_buffers[name].flat(indices)
@@ -226,7 +243,8 @@ class _Lowering:
     def _init_nest(self, info: _StageInfo, store_idx: Expr, first_reduce: int) -> Stmt:
         op = info.stage.op
         reduce_vars = {it.var for it in info.stage.iters if it.kind == "reduce"}
-        init: Stmt = Store(info.buffer, store_idx, op.body.identity)
+        assert isinstance(op.body, te.Reduce), f"{op.name}: only a reduction has an init nest"
+        init: Stmt = Store(info.buf, store_idx, op.body.identity)
         conds = [c for c in info.conds if not (te.free_vars(c) & reduce_vars)]
         if conds:
             init = IfThenElse(_all(conds), init)
@@ -254,12 +272,12 @@ class _Lowering:
         if reduce is None:
             core: Stmt = Store(buf, store_idx, self._lower_expr(info.body, info.values))
         else:
+            assert isinstance(info.body, te.Reduce), f"{name}: inlining keeps a reduction's body a Reduce"
             src = self._lower_expr(info.body.source, info.values)
             comb = {"sum": lambda a, b: a + b, "max": te.maximum, "min": te.minimum}[reduce.combiner]
             core = Store(buf, store_idx, comb(BufferLoad(buf, (store_idx,)), src))
-        cond = _all(info.conds)
-        if cond is not None:
-            core = IfThenElse(cond, core)
+        if info.conds:
+            core = IfThenElse(_all(info.conds), core)
         iters = st.iters
         first_reduce = next((k for k, it in enumerate(iters) if it.kind == "reduce"), None)
         body: Stmt = core
@@ -282,7 +300,10 @@ class _Lowering:
         threads, and every thread stores the result (the same value: a local buffer needs it in
         every thread, a global one gets identical writes)."""
         st = info.stage
-        reduce: te.Reduce = st.op.body
+        reduce = st.op.body
+        assert isinstance(reduce, te.Reduce), f"{st.name}: a cross-thread nest is built only for a reduction"
+        reduce_body = info.body
+        assert isinstance(reduce_body, te.Reduce), f"{st.name}: inlining keeps a reduction's body a Reduce"
         iters = st.iters
         first = next(k for k, it in enumerate(iters) if it.kind == "reduce")
         if any(it.kind == "spatial" for it in iters[first:]):
@@ -296,7 +317,8 @@ class _Lowering:
         acc = Buffer(st.name + ".red", st.op.dtype, (1,), (1,), "local")
         zero = te.const(0)
         comb = {"sum": lambda a, b: a + b, "max": te.maximum, "min": te.minimum}[reduce.combiner]
-        update: Stmt = Store(acc, zero, comb(BufferLoad(acc, (zero,)), self._lower_expr(info.body.source, info.values)))
+        src = self._lower_expr(reduce_body.source, info.values)
+        update: Stmt = Store(acc, zero, comb(BufferLoad(acc, (zero,)), src))
         if info.conds:
             update = IfThenElse(_all(info.conds), update)
         for it in reversed(iters[first:]):
@@ -319,14 +341,14 @@ class _Lowering:
 
     def _wrap_attached(self, names: list[str], inner: Stmt) -> Stmt:
         stmts = [self._nest(n) for n in names] + [inner]
-        if self.target_kind == "cuda" and any(self.info[n].buffer.scope == "shared" for n in names):
+        if self.target_kind == "cuda" and any(self.info[n].buf.scope == "shared" for n in names):
             # the block's threads fill shared buffers together: wait until all have read the previous
             # contents, and until all have written the new ones
             stmts = [Barrier()] + stmts[:-1] + [Barrier(), inner]
         out = seq(stmts)
         for n in reversed(names):
-            if self.info[n].buffer.scope != "arg":
-                out = Allocate(self.info[n].buffer, out)
+            if self.info[n].buf.scope != "arg":
+                out = Allocate(self.info[n].buf, out)
         return out
 
     # ------------------------------------------------------------------ driver
@@ -345,21 +367,21 @@ class _Lowering:
                     if st.name not in readers[n.tensor.name]:
                         readers[n.tensor.name].append(st.name)
         for st in self.stages:
-            if st.compute_at == "iter" and st.attach[0] in self.inlined:
-                raise LoweringError(f"{st.name} is computed at {st.attach[0]}, which is inlined")
+            if st.compute_at == "iter" and _attach(st)[0] in self.inlined:
+                raise LoweringError(f"{st.name} is computed at {_attach(st)[0]}, which is inlined")
         for name_ in reversed(list(self.info)):
             info = self.info[name_]
             self._region(info, readers.get(name_, []))
             self._fill_structure(info)
         args = self._make_buffers()
         roots = [n for n, info in self.info.items() if info.stage.compute_at == "root"]
-        body = seq([self._nest(n) for n in roots])
-        for n in reversed(roots):
-            if self.info[n].buffer.scope != "arg":
-                body = Allocate(self.info[n].buffer, body)
-        body = _mark_unroll(body)
-        _legalize_loops(body)
-        return LoweredFunc(name, args, body, self.state.dag.flop_ct)
+        program = seq([self._nest(n) for n in roots])
+        for root in reversed(roots):
+            if self.info[root].buf.scope != "arg":
+                program = Allocate(self.info[root].buf, program)
+        program = _mark_unroll(program)
+        _legalize_loops(program)
+        return LoweredFunc(name, args, program, self.state.dag.flop_ct)
 
 
 VECTOR_STEP_LANES = 16
