@@ -42,7 +42,49 @@ def default_schedule(dag: ComputeDAG) -> State:
         done.add(t.name)
     for t in reversed(dag.tensors):
         if not t.is_placeholder and t.name not in done and s.stage_by_name(t.name).compute_at != "inline":
-            s = _loop(s, t.name)
+            const_axes = _const_tensor_axes(t.attrs)
+            s = _const_index_loop(s, t.name, const_axes) if const_axes else _loop(s, t.name)
+    return s
+
+
+def _const_tensor_axes(attrs: dict) -> set[str]:
+    """Axes a stage names in `simplify_const_tensor_indices` (Winograd's transforms: select chains on
+    them fold to one branch once they are unrolled)."""
+    names = attrs.get("simplify_const_tensor_indices", "")
+    return {n for n in str(names).split(",") if n}
+
+
+def _const_index_loop(s: State, name: str, const_axes: set[str]) -> State:
+    """Other axes parallel outside, the const-index axes unrolled inside, the last other axis split by
+    the vector width with its inner part innermost and vectorised (so the unrolled branches stay
+    constant while the vector runs over it)."""
+    op = s.stage_by_name(name).op
+    if op.reduce_axes:
+        return _loop(s, name)
+    const = [i for i, ax in enumerate(op.axes) if ax.name in const_axes]
+    other = [i for i, ax in enumerate(op.axes) if ax.name not in const_axes]
+    if not const or not other:
+        return _loop(s, name)
+    last = other[-1]
+    lanes = min(op.shape[last], VECTOR_LANES)
+    n = len(op.axes)
+    vec = None
+    if lanes > 1:       # the split puts last.outer at `last`, last.inner at last + 1
+        s = s.split(name, last, [lanes])
+        shift = {i: (i if i <= last else i + 1) for i in range(n)}
+        vec = last + 1
+    else:
+        shift = {i: i for i in range(n)}
+    order = [shift[i] for i in other] + [shift[i] for i in const] + ([vec] if vec is not None else [])
+    s = s.reorder(name, order)
+    n_outer = len(other)
+    if n_outer > 1:
+        s = s.fuse(name, list(range(n_outer)))
+    s = s.parallel(name, 0)
+    for j in range(1, 1 + len(const)):
+        s = s.unroll(name, j)
+    if vec is not None:
+        s = s.vectorize(name, 1 + len(const))
     return s
 
 
