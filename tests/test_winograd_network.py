@@ -1,0 +1,98 @@
+"""Winograd forms in a network: extraction offers them beside the direct conv, the network build runs
+the faster form of each group, and a network built with Winograd kernels equals the NCHW reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensortune.codegen.network_runtime import build_network
+from tensortune.schedule.default_schedule import default_schedule
+from tensortune.tasks import winograd
+from tensortune.tasks.extract import extract_tasks, winograd_eligible
+from tensortune.tasks.models import make_network
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return make_network("resnet-18", image_size=32)
+
+
+@pytest.fixture(scope="module")
+def net(graph):
+    return extract_tasks(graph, winograd_tiles=(2, 4))
+
+
+def _default_records(net) -> dict[str, str]:
+    return {t.workload_key: default_schedule(t.dag).steps_json() for t in net.tasks}
+
+
+def _costs_preferring(net, position: int) -> dict[str, float]:
+    """Costs under which form `position` of every form set (0 direct, 1 F(2,3), 2 F(4,3)) is fastest."""
+    costs = {}
+    for forms in net.form_sets():
+        for j, t in enumerate(forms):
+            costs[net.tasks[t].workload_key] = 1e-3 if j == position else 2e-3
+    return costs
+
+
+def test_without_tiles_extraction_is_unchanged(graph, net):
+    plain = extract_tasks(graph)
+    assert not plain.form_sets() and all(not g.alternatives for g in plain.groups)
+    assert [plain.tasks[g.task].workload_key for g in plain.groups] == \
+        [net.tasks[g.task].workload_key for g in net.groups]
+    assert [g.inputs for g in plain.groups] == [g.inputs for g in net.groups]
+
+
+def test_every_eligible_conv_gets_both_tile_sizes(net):
+    simple = net.graph
+    anchors = {n.name: n for n in simple.nodes}
+    n_eligible = 0
+    for g in net.groups:
+        anchor = anchors[g.nodes[0]]
+        if not winograd_eligible(simple, anchor):
+            assert not g.alternatives
+            continue
+        n_eligible += 1
+        assert [net.tasks[a.task].dag.name.split("_bias")[0] for a in g.alternatives] == \
+            ["conv2d_winograd_f2", "conv2d_winograd_f4"]
+        for a, m in zip(g.alternatives, (2, 4)):
+            u = simple.constants[a.inputs[1]]
+            np.testing.assert_array_equal(u, winograd.transform_weight(simple.constants[anchor.inputs[1]], m))
+            assert a.inputs[0] == g.inputs[0] and a.inputs[2:] == g.inputs[2:]
+    # ResNet-18: 3x3 stride-1 convs are all but the first conv of stages 2-4 (stride 2): 16 - 3 = 13
+    assert n_eligible == 13
+    assert all(len(f) == 3 for f in net.form_sets())
+
+
+def test_resolve_forms_takes_the_fastest_record_else_direct(net):
+    records = _default_records(net)
+    none = net.resolve_forms({}, {})
+    assert not any(t.dag.name.startswith("conv2d_winograd") for t in none.tasks)
+    # costs without records, or records without costs: no comparison, so the direct form
+    assert net.resolve_forms({}, _costs_preferring(net, 2)).tasks == none.tasks
+    assert [t.workload_key for t in net.resolve_forms(records, {}).tasks] == [t.workload_key for t in none.tasks]
+    f4 = net.resolve_forms(records, _costs_preferring(net, 2))
+    names = [t.dag.name for t in f4.tasks]
+    assert sum(n.startswith("conv2d_winograd_f4") for n in names) == len(net.form_sets())
+    assert not any(g.alternatives for g in f4.groups)
+    assert sum(t.weight for t in f4.tasks) == len(f4.groups)
+    # a record for the Winograd form only: it is the one that has been measured
+    only = {k: v for k, v in records.items() if k in {net.tasks[f[1]].workload_key for f in net.form_sets()}}
+    costs = {k: 1e-3 for k in only}
+    picked = net.resolve_forms(only, costs)
+    assert sum(t.dag.name.startswith("conv2d_winograd_f2") for t in picked.tasks) == len(net.form_sets())
+
+
+@pytest.mark.parametrize("position", [1, 2])
+def test_network_with_winograd_kernels_equals_reference(net, position):
+    compiled = build_network(net, _default_records(net), costs=_costs_preferring(net, position))
+    tag = f"conv2d_winograd_f{2 * position}"
+    assert sum(k.name.startswith(tag) for k in compiled.kernels) == len(net.form_sets())
+    result = compiled.check(seed=3)
+    assert result.passed, str(result)
+
+
+def test_build_without_costs_runs_the_direct_form(net):
+    compiled = build_network(net)
+    assert not any(k.name.startswith("conv2d_winograd") for k in compiled.kernels)
+    assert compiled.check(seed=4).passed
