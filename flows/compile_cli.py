@@ -13,6 +13,7 @@ from rich.table import Table
 from tensortune.flows.cli_app import app
 from tensortune.flows.cli_input import USAGE, fail, records_to_read
 from tensortune.flows.network_cli import (
+    TILE_SIZES,
     BatchOption,
     ImageSizeOption,
     InputShapeOption,
@@ -59,7 +60,7 @@ def compile_command(network: NetworkArg,
         fail(str(err), USAGE)
     graph = load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                   input_shapes=input_shape)
-    net = _extract(graph)
+    net = _extract(graph, TILE_SIZES)          # a Winograd form runs where its record is the faster
     store = RecordStore(records, auto_compact=None) if records else None
     console = Console(width=max(120, Console().width))
     try:

@@ -96,3 +96,39 @@ def test_build_without_costs_runs_the_direct_form(net):
     compiled = build_network(net)
     assert not any(k.name.startswith("conv2d_winograd") for k in compiled.kernels)
     assert compiled.check(seed=4).passed
+
+
+def test_cli_extract_lists_the_winograd_forms():
+    from typer.testing import CliRunner
+
+    from tensortune.flows.cli import app
+    runner = CliRunner()
+    out = runner.invoke(app, ["extract", "resnet-18", "--image-size", "32", "--winograd", "4"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "resnet-18: 26 tasks" in out.output and "conv2d_winograd_f4_bias_relu" in out.output
+    for bad in ("3", "two"):
+        res = runner.invoke(app, ["extract", "resnet-18", "--image-size", "32", "--winograd", bad])
+        assert res.exit_code == 2 and "--winograd" in res.output, res.output
+
+
+def test_tuned_network_runs_the_form_whose_stored_record_is_faster(tmp_path, graph, net):
+    """measure_tuned_network (run-network, the flow's last step) and compile_tuned read the store's best
+    records: where the Winograd form's is faster it runs, the estimate counts that form once."""
+    from tensortune.codegen.target import parse_target
+    from tensortune.flows.tuned_network import compile_tuned, measure_tuned_network
+    from tensortune.storage.records import RecordStore
+    from tensortune.storage.schema import MeasureRecord
+    t = str(parse_target("llvm"))
+    forms = net.form_sets()[0]
+    direct, f4 = net.tasks[forms[0]], net.tasks[forms[2]]
+    store = RecordStore(str(tmp_path / "records"))
+    store.append([MeasureRecord(workload_key=k.workload_key, target=t, steps=default_schedule(k.dag).steps_json(),
+                                task_name=k.name, network="resnet-18", latencies=[c], flops=k.flops)
+                  for k, c in ((direct, 2e-3), (f4, 1e-3))])
+    timing = measure_tuned_network(net, store, "llvm", repeat=1)
+    assert timing.passed
+    assert [x.name for x in timing.tasks if x.source == "record"] == [f4.name]
+    assert not any(x.name == direct.name and x.source == "record" for x in timing.tasks)
+    result, _, estimate, untuned = compile_tuned(net, store, "llvm", str(tmp_path / "lib"))
+    assert f4.workload_key in {k.workload_key for k in result.kernels}
+    assert direct.workload_key not in {k.workload_key for k in result.kernels}

@@ -131,3 +131,11 @@ def test_tune_network_with_winograd_forms_builds_the_faster_one(tmp_path):
     faster = tasks[int(np.argmin(res.best_costs))].workload_key
     assert [k.workload_key for k in compiled.kernels] == [faster]
     assert compiled.check().passed
+
+
+def test_flow_estimate_counts_the_fastest_form_once():
+    from tensortune.flows.artifacts import estimate
+    assert estimate([2, 2, 1], [4e-3, 3e-3, 1e-3], [(0, 1)]) == pytest.approx(2 * 3e-3 + 1e-3)
+    assert estimate([2, 2, 1], [4e-3, math.inf, 1e-3], [(0, 1)]) == pytest.approx(2 * 4e-3 + 1e-3)
+    assert math.isnan(estimate([2, 2, 1], [math.inf, math.nan, 1e-3], [(0, 1)]))
+    assert estimate([2, 2, 1], [4e-3, 3e-3, 1e-3]) == pytest.approx(2 * 7e-3 + 1e-3)
