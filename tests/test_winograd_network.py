@@ -132,3 +132,14 @@ def test_tuned_network_runs_the_form_whose_stored_record_is_faster(tmp_path, gra
     result, _, estimate, untuned = compile_tuned(net, store, "llvm", str(tmp_path / "lib"))
     assert f4.workload_key in {k.workload_key for k in result.kernels}
     assert direct.workload_key not in {k.workload_key for k in result.kernels}
+    # the CLI's builds extract the forms the store has records of (none: nothing extra is computed)
+    from typer.testing import CliRunner
+
+    from tensortune.flows.cli import app
+    from tensortune.flows.network_cli import stored_winograd_tiles
+    assert stored_winograd_tiles(store) == (4,) and stored_winograd_tiles(None) == ()
+    assert stored_winograd_tiles(RecordStore(str(tmp_path / "empty"))) == ()
+    out = CliRunner().invoke(app, ["run-network", "resnet-18", "--image-size", "32", "--records",
+                                   str(tmp_path / "records"), "--repeat", "1"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert f4.name in out.output and "OK" in out.output
