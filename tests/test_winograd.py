@@ -225,3 +225,14 @@ def test_sampled_and_mutated_programs_match_direct_conv(shape, relu, m):
             break
     for c in progs + [c for c in children if c is not None]:
         _check_kernel(c.state, 1, ci, h, w, co, pad, m, relu, 2)
+
+
+def test_default_vector_tiles_split_exactly_where_they_can():
+    """An imperfect vector tile masks every step of a register tile (7-17x slower, see tile_size): the
+    default schedule takes the largest divisor up to 16 unless it is below 4."""
+    from tensortune.schedule.default_schedule import tile_size
+    from tensortune.schedule.steps import SplitStep
+    assert [tile_size(e, 16) for e in (7, 16, 28, 49, 56, 196, 53, 784)] == [7, 16, 14, 7, 14, 14, 16, 16]
+    s = default_schedule(make_dag("conv2d_winograd", 1, 14, 14, 8, 8, 1, 2))      # P = 7 x 7 = 49 tiles
+    splits = [st for st in s.steps if isinstance(st, SplitStep) and st.extent == 49]
+    assert splits and all(49 % st.lengths[-1] == 0 for st in splits)
