@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
+from typing import Callable
 
 import numpy as np
 
@@ -133,7 +134,7 @@ def _sparse_sum(terms: list[tuple[float, Expr]]) -> Expr:
     return out
 
 
-def _two_sided(mat: np.ndarray, i: Expr, j: Expr, value) -> Expr:
+def _two_sided(mat: np.ndarray, i: Expr, j: Expr, value: Callable[[int, int], Expr]) -> Expr:
     """sum_{a, b} mat[i, a] mat[j, b] value(a, b) as a select chain over the constant rows (i, j)."""
     rows, cols = mat.shape
     out: Expr | None = None
