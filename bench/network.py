@@ -201,7 +201,7 @@ def _ms(seconds: float) -> str:
 
 
 def tune(name: str, tasks: list, trials: int, strategies: list[str], seed: int, measurer,
-         records: str | None = None) -> dict:
+         records: str | None = None, form_sets: list | None = None) -> dict:
     """{strategy: (result, seconds)}. The warm-up (a round per task) runs once; each strategy resumes
     from a copy of its records, so all start from the same programs, cost model and bests, and they take
     turns, one round each, on one measurer, so that this VM's drift (which moved a task's timings by 30%
@@ -212,7 +212,7 @@ def tune(name: str, tasks: list, trials: int, strategies: list[str], seed: int, 
 
     def tuner(label: str, budget: int, strategy: str = "round-robin") -> NetworkTuner:
         return NetworkTuner(tasks, budget, measurer, strategy=strategy, seed=seed, network_name=name,
-                            records=RecordStore(os.path.join(home, label)),
+                            records=RecordStore(os.path.join(home, label)), form_sets=form_sets or (),
                             progress=lambda i, log, r: print(
                                 f"  {name} [{label}] {r.trials}/{budget} trials, task {i} best "
                                 f"{log.best_gflops:.1f} GFLOP/s, est. {_ms(r.estimated_latency)}", flush=True))
@@ -274,11 +274,18 @@ def network_options(name: str, args) -> dict:
     return options
 
 
-def in_network_breakdown(compiled, tasks) -> list[float]:
+def winograd_tiles(args) -> tuple[int, ...]:
+    """--winograd "2,4" -> (2, 4); "" -> ()."""
+    return tuple(int(t) for t in str(getattr(args, "winograd", "") or "").split(",") if t.strip())
+
+
+def in_network_breakdown(compiled, tasks) -> list[float | None]:
     """ms per call of each task inside the network (CompiledNetwork.profile: all its calls / weight), to
-    set beside the tuner's task_best_ms; an attribution of the estimate's gap, never a compared speed."""
+    set beside the tuner's task_best_ms; an attribution of the estimate's gap, never a compared speed.
+    None for a task the network does not run (the other form of a group with alternatives)."""
     spent = compiled.profile(repeat=5)
-    return [spent[i] / t.weight * 1e3 for i, t in enumerate(tasks)]
+    by_key = {k.workload_key: spent[i] / k.weight * 1e3 for i, k in enumerate(compiled.kernels)}
+    return [by_key.get(t.workload_key) for t in tasks]
 
 
 def bench_network(name: str, args, torch, folder: str) -> dict:
@@ -291,8 +298,9 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     model, example = torch_model(name, torch, options)
     path = export_onnx(model, example, os.path.join(folder, f"{name}.onnx"), torch)
     graph = import_onnx(path, name=name)
-    net, tasks = network_tasks(graph, target)
-    agreement = builtin_agreement(tasks, network_tasks(name, target, **options)[1])
+    tiles = winograd_tiles(args)
+    net, tasks = network_tasks(graph, target, tiles)
+    agreement = builtin_agreement(tasks, network_tasks(name, target, tiles, **options)[1])
     feed = graph.random_inputs(args.seed)         # the same inputs for every side
     (input_name,) = feed
 
@@ -300,12 +308,14 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     strategies = ["gradient"] + ([] if args.no_round_robin else ["round-robin"])
     try:
         runs = tune(name, tasks, args.trials, strategies, args.seed, measurer,
-                    os.path.join(args.records, name) if args.records else None)
+                    os.path.join(args.records, name) if args.records else None, net.form_sets())
     finally:
         measurer.close()          # its runner's thread pool must not meet the timings below
     grad, wall = runs["gradient"]
     best = {t.workload_key: s for t, s in zip(tasks, grad.best_steps) if s}
-    built = {"default": build_network(net, None, target), "tuned": build_network(net, best, target)}
+    costs = {t.workload_key: c for t, c in zip(tasks, grad.best_costs)}
+    built = {"default": build_network(net, None, target), "tuned": build_network(net, best, target, costs)}
+    net = net.resolve_forms(best, costs)          # the forms the tuned network runs, for the library too
     # the same tuned kernels as one AOT library (driver in native code), loaded as a deployment loads it
     from tensortune.codegen.aot import compile_network, dispatch_overhead
     from tensortune.codegen.network_runtime import relative_errors
@@ -407,6 +417,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seq-len", type=int, help="BERT's sequence length (default 128)")
     ap.add_argument("--no-round-robin", action="store_true", help="skip the round-robin comparison")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--winograd", metavar="TILES", default="",
+                    help="also tune the Winograd form F(m x m, 3 x 3) of every eligible conv, for these tile "
+                         "sizes (e.g. 4 or 2,4); each group runs its faster form")
     ap.add_argument("--records", metavar="DIR", help="keep the records in DIR/<network>/{warm-up,<strategy>} "
                                                       "(a fresh folder: a stored history would be resumed)")
     ap.add_argument("--keep-onnx", metavar="DIR", help="write the exported ONNX files to DIR (default: a "

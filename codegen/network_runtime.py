@@ -249,14 +249,20 @@ def task_schedule(task: ExtractedTask, steps: str | list | None) -> tuple[State,
 
 
 def build_network(net: NetworkTasks, records: Mapping[str, str | list | None] | None = None,
-                  target: str = "llvm", layout_rewrite: bool = True) -> CompiledNetwork:
+                  target: str = "llvm", costs: Mapping[str, float] | None = None,
+                  layout_rewrite: bool = True) -> CompiledNetwork:
     """Compile every task (from `records[workload_key]` steps where present, else the default schedule)
     and plan the network's buffers. With `layout_rewrite` (as network tuning measures), each task's
-    constant weights are stored in the layout its schedule reads them in (schedule.layout_rewrite)."""
+    constant weights are stored in the layout its schedule reads them in (schedule.layout_rewrite).
+
+    A group with alternative forms (Winograd, `extract_tasks(winograd_tiles=...)`) runs the form whose
+    record is fastest by `costs` (workload key -> seconds); with no such record, its direct form: the
+    compiled network's `net` and kernels are those of the chosen forms only."""
     t = parse_target(target)
     if t.kind != "llvm":
         raise ValueError(f"run-network builds for the host CPU only (target 'llvm'), got {target!r}")
     records = records or {}
+    net = net.resolve_forms(records, costs or {})
     kernels = []
     for task in net.tasks:
         t0 = time.perf_counter()

@@ -60,11 +60,19 @@ def _num(x: float, digits: int) -> float | None:
     return round(float(x), digits) if math.isfinite(x) else None       # JSON has no NaN
 
 
-def estimate(weights: Sequence[int], latencies: Sequence[float]) -> float:
-    """The network's estimated latency (seconds): sum of weight x task latency; NaN when a task has none."""
-    if any(not math.isfinite(c) or c <= 0 for c in latencies):
+def estimate(weights: Sequence[int], latencies: Sequence[float], form_sets: Sequence[Sequence[int]] = ()) -> float:
+    """The network's estimated latency (seconds): sum of weight x task latency; NaN when a task has none.
+    Of each set of alternative forms of one group (NetworkTasks.form_sets) only the fastest counts, and
+    a form without a latency is no gap while another form has one."""
+    lat = [c if math.isfinite(c) and c > 0 else math.nan for c in latencies]
+    for forms in form_sets:
+        known = [lat[j] for j in forms if math.isfinite(lat[j])]
+        for j in forms:
+            lat[j] = 0.0
+        lat[forms[0]] = min(known) if known else math.nan
+    if any(not math.isfinite(c) for c in lat):
         return math.nan
-    return float(sum(w * c for w, c in zip(weights, latencies)))
+    return float(sum(w * c for w, c in zip(weights, lat)))
 
 
 def _id(created: Any) -> UUID:
@@ -87,12 +95,12 @@ def publish_task_table(network: str, target: str, rows: Sequence[TaskRow]) -> UU
 
 
 def publish_estimate(network: str, target: str, rows: Sequence[TaskRow], before: Sequence[float],
-                     records_url: str, model_version: str) -> UUID:
+                     records_url: str, model_version: str, form_sets: Sequence[Sequence[int]] = ()) -> UUID:
     """Markdown: estimated end-to-end latency with default schedules, at the start of the run, after it."""
     weights = [r.weight for r in rows]
-    default = estimate(weights, [r.default_latency for r in rows])
-    start = estimate(weights, before)
-    after = estimate(weights, [r.best_latency for r in rows])
+    default = estimate(weights, [r.default_latency for r in rows], form_sets)
+    start = estimate(weights, before, form_sets)
+    after = estimate(weights, [r.best_latency for r in rows], form_sets)
 
     def ms(x: float) -> str:
         return f"{x * 1e3:.4f} ms" if math.isfinite(x) else "n/a (a task has no valid program)"

@@ -24,6 +24,7 @@ from tensortune.flows.network_cli import (
     ThreadsOption,
     _extract,
     load_network,
+    stored_winograd_tiles,
     with_threads,
 )
 
@@ -59,14 +60,14 @@ def compile_command(network: NetworkArg,
         fail(str(err), USAGE)
     graph = load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                   input_shapes=input_shape)
-    net = _extract(graph)
     store = RecordStore(records, auto_compact=None) if records else None
+    net = _extract(graph, stored_winograd_tiles(store))    # a Winograd form runs where its record is faster
     console = Console(width=max(120, Console().width))
     try:
         result, chosen, estimate, untuned = compile_tuned(net, store, target, output)
     except (AOTError, TargetError, OSError, ValueError) as err:
         fail(str(err))
-    table = Table(title=f"{graph.name}: {len(net.tasks)} tasks on {chosen}")
+    table = Table(title=f"{graph.name}: {len(result.kernels)} tasks on {chosen}")
     for header in ("#", "task", "weight", "schedule"):
         table.add_column(header)
     for k in result.kernels:

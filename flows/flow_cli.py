@@ -27,7 +27,9 @@ from tensortune.flows.network_cli import (
     SeqLenOption,
     TargetOption,
     ThreadsOption,
+    WinogradOption,
     load_network,
+    winograd_tiles,
     with_threads,
 )
 from tensortune.flows.tuned_network import GAP_WARNING
@@ -68,7 +70,7 @@ def tune(network: NetworkArg,
                                  "speedup over --reference-ms).")] = None,
          reference_ms: Annotated[Optional[float], typer.Option(
              "--reference-ms", min=0.0, help="f3: the network latency to beat (e.g. ONNX Runtime's).")] = None,
-         seed: int = 0,
+         seed: int = 0, winograd: WinogradOption = None,
          time_network: Annotated[bool, typer.Option(
              "--time-network/--no-time-network",
              help="End by building the network from the best records, checking and timing it.")] = True,
@@ -88,6 +90,7 @@ def tune(network: NetworkArg,
     # bad input fails before anything starts (server, cluster, flow run)
     check_count("--trials", trials)
     check_count("--per-round", per_round)
+    tiles = winograd_tiles(winograd)
     url = _records_url(records_to_write(records))
     load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                  input_shapes=input_shape)
@@ -117,7 +120,8 @@ def tune(network: NetworkArg,
                                       input_shapes=input_shape, per_round=per_round, retrain_every=retrain_every,
                                       seed=seed, search=search, latency_target_ms=latency_target_ms,
                                       early_stopping_task=early_stopping, objective=objective,
-                                      reference_ms=reference_ms, return_state=True)
+                                      reference_ms=reference_ms, winograd_tiles=list(tiles) or None,
+                                      return_state=True)
         if state.is_completed():
             _print_summary(state.result())
     except KeyboardInterrupt:

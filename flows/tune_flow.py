@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Sequence
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
@@ -52,14 +52,17 @@ class Session:
 
     def __init__(self, tasks: list[SearchTask], network: str, records: RecordStore, measurer: Measurer,
                  params: SearchParams, strategy: str, seed: int, warmup: int, flow_run_id: str, trials: int,
-                 objective: Objective | None = None, scheduler_options: dict[str, Any] | None = None):
+                 objective: Objective | None = None, scheduler_options: dict[str, Any] | None = None,
+                 form_sets: Sequence[Sequence[int]] = ()):
         self.tasks, self.network, self.records = tasks, network, records
+        self.form_sets = [tuple(f) for f in form_sets]     # alternative forms of one group: one term
         self.target = tasks[0].target
         self.models = ModelStore(records.location.url)
         self.model = NewestModel(seed)
         self.tuner = NetworkTuner(tasks, trials, measurer, model=self.model, params=params, records=records,
                                   strategy=strategy, objective=objective, seed=seed, flow_run_id=flow_run_id,
-                                  network_name=network, scheduler_options=scheduler_options, resume=False)
+                                  network_name=network, scheduler_options=scheduler_options, resume=False,
+                                  form_sets=self.form_sets)
         self.policies, self.sched = self.tuner.policies, self.tuner.sched
         self.trainer = Trainer(tasks, self.target, warmup, seed, self.model.features)
         n = len(tasks)
@@ -90,17 +93,19 @@ class Session:
     def estimate(self) -> float:
         """The network's estimated latency from each task's best so far (NaN while a task has none)."""
         weights = [t.weight for t in self.tasks]
-        return artifacts.estimate(weights, [self.best_latency(i) for i in range(len(self.tasks))])
+        return artifacts.estimate(weights, [self.best_latency(i) for i in range(len(self.tasks))], self.form_sets)
 
 
 # ------------------------------------------------------------------ flow steps (Prefect task runs)
 
 @task(name="extract-tasks", **_STEP)
-def extract_network_tasks(network: str, target: str, options: dict[str, Any]) -> tuple[NetworkTasks, list[SearchTask]]:
-    """The network's tuning tasks (fused subgraphs, deduplicated, weighted) for the target."""
+def extract_network_tasks(network: str, target: str, options: dict[str, Any],
+                          winograd_tiles: Sequence[int] = ()) -> tuple[NetworkTasks, list[SearchTask]]:
+    """The network's tuning tasks (fused subgraphs, deduplicated, weighted) for the target; with
+    `winograd_tiles`, also the Winograd forms of its eligible convs."""
     from tensortune.flows.tuning import network_tasks
     graph = load_graph(network, **options)
-    net, tasks = network_tasks(graph, target)
+    net, tasks = network_tasks(graph, target, winograd_tiles)
     get_run_logger().info(f"{graph.name}: {len(tasks)} tasks, {net.total_flops / 1e9:.3f} GFLOP per run, "
                           f"target {tasks[0].target if tasks else target}")
     return net, tasks
@@ -207,13 +212,16 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
                per_round: int = 64, retrain_every: int = 1, model_warmup: int = 100, strategy: str = "gradient",
                seed: int = 0, search: dict | None = None, flow_run_id: str = "",
                latency_target_ms: float | None = None, early_stopping_task: int | None = None,
-               objective: str | None = None, reference_ms: float | None = None) -> dict[str, Any]:
+               objective: str | None = None, reference_ms: float | None = None,
+               form_sets: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
     """The rounds of one flow run (called inside a flow): returns the run's summary.
 
     objective: what the task scheduler minimises, Ansor's f1 (weighted latency sum; the default), f2
     (max(latency, latency_target_ms): the default when a target is given) or f3 (geometric-mean speedup
     over reference_ms). latency_target_ms: the run stops once the estimate meets it, whatever the
-    objective. early_stopping_task: a task that has not improved for this many trials gets no more."""
+    objective. early_stopping_task: a task that has not improved for this many trials gets no more.
+    form_sets: sets of tasks that are alternative forms of one group (NetworkTasks.form_sets): one
+    latency term, the fastest form's."""
     log = get_run_logger()
     if trials < 1:
         raise ValueError(f"trials must be at least 1, got {trials}")
@@ -229,7 +237,8 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
                              latency_target_s=latency_target_ms / 1e3 if latency_target_ms is not None else None,
                              reference_s=reference_ms / 1e3 if reference_ms is not None else None)
     s = Session(tasks, network, store, measurer, params, strategy, seed, model_warmup, flow_run_id, trials,
-                objective=goal, scheduler_options={"early_stopping_task": early_stopping_task})
+                objective=goal, scheduler_options={"early_stopping_task": early_stopping_task},
+                form_sets=form_sets)
     load_history(s)
     retrain_cost_model(s, "start")
     before = list(s.before)
@@ -268,7 +277,8 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
         # a run that fails mid-way still shows what it measured (every batch is in the store already)
         rows = s.rows()
         artifacts.publish_task_table(network, target, rows)
-        artifacts.publish_estimate(network, target, rows, before, store.location.url, s.model.version)
+        artifacts.publish_estimate(network, target, rows, before, store.location.url, s.model.version,
+                                   s.form_sets)
     done = s.done
     if stopped:
         log.info(f"{stopped}: stopping after {done} of {trials} trials")
@@ -278,8 +288,8 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
     summary: dict[str, Any] = {
                "network": network, "target": target, "flow_run_id": flow_run_id, "records": store.location.url,
                "trials": done, "rounds": s.rounds, "model_version": s.model.version,
-               "estimate_default_s": artifacts.estimate(weights, s.default_latency),
-               "estimate_before_s": artifacts.estimate(weights, before), "estimate_after_s": s.estimate(),
+               "estimate_default_s": artifacts.estimate(weights, s.default_latency, s.form_sets),
+               "estimate_before_s": artifacts.estimate(weights, before, s.form_sets), "estimate_after_s": s.estimate(),
                "seconds": {k: round(v, 3) for k, v in s.seconds.items()}, "tasks": [r.as_dict() for r in rows]}
     log.info(f"done: {done} trials in {s.rounds} rounds; estimated latency "
              f"{_ms(summary['estimate_before_s'])} at the start, {_ms(summary['estimate_after_s'])} now "
@@ -342,7 +352,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                       model_warmup: int = 100, strategy: str = "gradient", seed: int = 0, search: dict | None = None,
                       timing: dict | None = None, local_workers: int = 1, latency_target_ms: float | None = None,
                       early_stopping_task: int | None = None, time_network: bool = True,
-                      objective: str | None = None, reference_ms: float | None = None) -> dict[str, Any]:
+                      objective: str | None = None, reference_ms: float | None = None,
+                      winograd_tiles: list[int] | None = None) -> dict[str, Any]:
     """Tune a network's tasks for `trials` measurements, resuming from the record store, then build the
     network from the store's best records, check it and time it (time_network=False leaves that out).
 
@@ -352,14 +363,15 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
     LocalCluster of `local_workers` workers); search: SearchParams fields; timing: TimingConfig fields
     plus build_timeout/run_timeout seconds; latency_target_ms: stop once the estimated latency meets it;
     early_stopping_task: trials without improvement after which a task gets no more; objective: f1, f2
-    or f3 (see tune_tasks; f3 needs reference_ms, the latency to beat).
+    or f3 (see tune_tasks; f3 needs reference_ms, the latency to beat); winograd_tiles: also tune the
+    Winograd form F(m x m, 3 x 3) of every eligible conv for these m (2, 4), the faster form is built.
     """
     options = {k: v for k, v in (("batch", batch), ("image_size", image_size), ("seq_len", seq_len),
                                  ("layers", layers), ("input_shapes", input_shapes)) if v is not None}
     with dask_client(_cluster_address(cluster), n_workers=local_workers,
                      resources=local_resources(parse_target(target).kind)) as client:
         where = measure_target(client, target)
-        net, tasks = extract_network_tasks(network, where.target, options)
+        net, tasks = extract_network_tasks(network, where.target, options, tuple(winograd_tiles or ()))
         if not tasks:
             raise ValueError(f"{network} has no tuning tasks")
         summary = tune_tasks(tasks, network=network, trials=trials, records=records,
@@ -368,7 +380,7 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                              model_warmup=model_warmup, strategy=strategy, seed=seed, search=search,
                              flow_run_id=_flow_run_id(), latency_target_ms=latency_target_ms,
                              early_stopping_task=early_stopping_task, objective=objective,
-                             reference_ms=reference_ms)
+                             reference_ms=reference_ms, form_sets=net.form_sets())
         if time_network and tasks[0].target_kind == "llvm":
             measured = build_and_time_network(client, net, network, tasks[0].target, records,
                                               workers=where.workers)

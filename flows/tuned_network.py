@@ -126,7 +126,7 @@ def measure_tuned_network(net: NetworkTasks, records: RecordStore | None, target
     check the outputs against the graph's NumPy reference, and time `repeat` end-to-end runs."""
     chosen = tuned_target(records, target, [t.workload_key for t in net.tasks])
     steps, latency = best_records(records, chosen) if records is not None else ({}, {})
-    compiled = build_network(net, steps, str(chosen))
+    compiled = build_network(net, steps, str(chosen), latency)     # latency: the faster of alternative forms
     result = compiled.check() if check else None
     per_task = compiled.profile(repeat=3)
     runs = compiled.benchmark(repeat=repeat)
@@ -144,6 +144,7 @@ def compile_tuned(net: NetworkTasks, store: RecordStore | None, target: str, out
     Returns (AOTResult, the target built for, estimated seconds per run or NaN, tasks without records)."""
     chosen = tuned_target(store, target, [t.workload_key for t in net.tasks])
     steps, latency = best_records(store, chosen) if store is not None else ({}, {})
+    net = net.resolve_forms(steps, latency)      # of alternative forms (Winograd), the faster one
     untuned = [t for t in net.tasks if t.workload_key not in latency]
     estimate = math.fsum(t.weight * latency[t.workload_key] for t in net.tasks) if not untuned else math.nan
     result = compile_network(net, steps, out_dir, chosen, name=name,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from tensortune.codegen.measure import LocalRunner, Measurer, MeasureResult, ProgramMeasurer
 from tensortune.codegen.target import make_task
@@ -19,7 +19,7 @@ from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import CostModel, RandomModel, XGBModel
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
-from tensortune.search.task_scheduler import INF_COST, Objective, TaskScheduler
+from tensortune.search.task_scheduler import INF_COST, Objective, TaskScheduler, effective_costs
 from tensortune.storage.records import MeasureRecord, RecordStore
 from tensortune.tasks.extract import NetworkTasks, extract_tasks
 from tensortune.tasks.graph import Graph
@@ -220,21 +220,26 @@ class NetworkTuneResult:
     trials: int
     curve: list[tuple[int, float]] = field(default_factory=list)   # (trials, objective = est. latency)
     decisions: list[tuple[int, str]] = field(default_factory=list)
+    form_sets: list[tuple[int, ...]] = field(default_factory=list)   # alternative forms: one term, the min
 
     @property
     def estimated_latency(self) -> float:
-        """Weighted sum of the task bests; inf while a task has no valid program (the scheduler counts
-        those as INF_COST seconds, which no reader should see as a latency)."""
-        if any(c >= INF_COST for c in self.best_costs):
+        """Weighted sum of the task bests, the fastest form of each group with alternatives; inf while a
+        term has no valid program (the scheduler counts those as INF_COST seconds, which no reader
+        should see as a latency)."""
+        costs = effective_costs(self.best_costs, self.form_sets)
+        if any(c >= INF_COST for c in costs):
             return math.inf
-        return float(sum(t.weight * c for t, c in zip(self.tasks, self.best_costs)))
+        return float(sum(t.weight * c for t, c in zip(self.tasks, costs)))
 
 
-def network_tasks(network: str | Graph, target: str = "llvm", **options) -> tuple[NetworkTasks, list[SearchTask]]:
+def network_tasks(network: str | Graph, target: str = "llvm", winograd_tiles: Sequence[int] = (),
+                  **options) -> tuple[NetworkTasks, list[SearchTask]]:
     """A network (a builder name with its options, e.g. image_size=32, or a Graph such as an imported
-    ONNX model) split into its tuning tasks for `target`."""
+    ONNX model) split into its tuning tasks for `target`; `winograd_tiles` adds the Winograd forms of
+    eligible convs as tasks (tune them with `form_sets=net.form_sets()`)."""
     graph = make_network(network, **options) if isinstance(network, str) else network
-    net = extract_tasks(graph)
+    net = extract_tasks(graph, winograd_tiles)
     # network tasks opt in to layout rewrite: tuning times each kernel with its constant weights stored
     # as build_network stores them
     return net, [make_task(t.dag, target, t.name, t.weight, t.layout_free) for t in net.tasks]
@@ -264,7 +269,7 @@ class NetworkTuner:
                  records: RecordStore | None = None, strategy: str = "gradient", objective: Objective | None = None,
                  seed: int = 0, flow_run_id: str = "", network_name: str = "", scheduler_options: dict | None = None,
                  progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None,
-                 resume: bool = True):
+                 resume: bool = True, form_sets: Sequence[Sequence[int]] = ()):
         self.trials, self.measurer, self.records, self.progress = trials, measurer, records, progress
         self.flow_run_id, self.network_name = flow_run_id, network_name
         self.params = params = params or SearchParams()
@@ -275,11 +280,11 @@ class NetworkTuner:
         self.policies = [SketchPolicy(t, self.model, params, seed=seed + i, initial_programs=p)
                          for i, (t, p) in enumerate(zip(tasks, initial))]
         self.sched = TaskScheduler(tasks, objective=objective, strategy=strategy, seed=seed,
-                                   **(scheduler_options or {}))
+                                   form_sets=form_sets, **(scheduler_options or {}))
         self.per_round = max(1, min(params.num_measures_per_round, trials // len(tasks)))
         self.history = [0] * len(tasks)           # programs of each task read from the records
         self.trials_run = [0] * len(tasks)        # ... and measured by this tuner
-        self.result = NetworkTuneResult(tasks, [], [], 0)
+        self.result = NetworkTuneResult(tasks, [], [], 0, form_sets=[tuple(f) for f in form_sets])
         self._sync_result()
         self.rounds = 0
         if resume and records is not None:
@@ -362,22 +367,26 @@ def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measur
                  records: RecordStore | None = None, strategy: str = "gradient", objective: Objective | None = None,
                  seed: int = 0, flow_run_id: str = "", network_name: str = "", target: str = "llvm",
                  network_options: dict | None = None, scheduler_options: dict | None = None,
-                 progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None) -> NetworkTuneResult:
+                 progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None,
+                 winograd_tiles: Sequence[int] = (), form_sets: Sequence[Sequence[int]] = ()) -> NetworkTuneResult:
     """Spend `trials` measurements over a network's tasks, where the objective gains most.
 
-    `network`: its tasks, or a builder name / Graph (then split with `network_tasks(network, target,
-    **network_options)`); records are labelled with `network_name` (default: the graph's name)."""
+    `network`: its tasks (with `form_sets`, the sets of alternative forms among them), or a builder
+    name / Graph (then split with `network_tasks(network, target, winograd_tiles, **network_options)`);
+    records are labelled with `network_name` (default: the graph's name)."""
     if isinstance(network, list):
         tasks = network
     else:
-        net, tasks = network_tasks(network, target, **(network_options or {}))
+        net, tasks = network_tasks(network, target, winograd_tiles, **(network_options or {}))
         network_name = network_name or net.source.name
+        form_sets = net.form_sets()
     own = measurer is None
     measurer = measurer or network_measurer()
     try:
         tuner = NetworkTuner(tasks, trials, measurer, model=model, params=params, records=records,
                              strategy=strategy, objective=objective, seed=seed, flow_run_id=flow_run_id,
-                             network_name=network_name, scheduler_options=scheduler_options, progress=progress)
+                             network_name=network_name, scheduler_options=scheduler_options, progress=progress,
+                             form_sets=form_sets)
         while tuner.step():
             pass
     finally:

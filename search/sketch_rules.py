@@ -129,6 +129,47 @@ class AddCacheWrite(SketchRule):
         return [(state.cache_write(sid, "local"), sid)]
 
 
+class SimplifyComputeWithConstTensor(SketchRule):
+    """A stage indexed into constant transform matrices (Winograd's data_pack and inverse carry
+    `simplify_const_tensor_indices`): unroll those axes innermost so every select on them folds to one
+    branch, and tile the other spatial axes in two levels (Ansor's RuleSimplifyComputeWithConstTensor).
+    **(changed)** A second sketch keeps the last spatial axis's inner tile inside the unrolled axes,
+    so annotation can vectorise it (TVM's form leaves an unrolled loop innermost: never vectorised)."""
+    name = "simplify_compute_with_const_tensor"
+
+    def meet_condition(self, ctx, state, sid):
+        st = state.stages[sid]
+        if st.is_placeholder or st.compute_at == "inline" or not const_tensor_axes(st.op.attrs):
+            return Condition.PASS
+        return Condition.APPLY_AND_SKIP_REST
+
+    def apply(self, ctx, state, sid):
+        const = const_tensor_axes(state.stages[sid].op.attrs)
+        s = state
+        unrolled, tiled = [], []
+        for it in list(state.stages[sid].iters):
+            i = s.stages[sid].iter_index(it.var)
+            if it.name in const:
+                s = s.unroll(sid, i)
+                unrolled.append(s.stages[sid].iters[i].var)
+            else:
+                s = SplitStep(sid, i, it.extent, (None,), True).apply(s)
+                tiled.append((s.stages[sid].iters[i].var, s.stages[sid].iters[i + 1].var))
+        if not tiled:
+            return [(s, sid - 1)]
+        outer, inner = [o for o, _ in tiled], [n for _, n in tiled]
+        out = []
+        for order in (outer + inner + unrolled, outer + inner[:-1] + unrolled + inner[-1:]):
+            stage = s.stages[sid]
+            out.append((s.reorder(sid, [stage.iter_index(v) for v in order]), sid - 1))
+        return out
+
+
+def const_tensor_axes(attrs: dict) -> set[str]:
+    """The axes a compute names in `simplify_const_tensor_indices` (a comma-separated string)."""
+    return {n for n in str(attrs.get("simplify_const_tensor_indices", "")).split(",") if n}
+
+
 class AddRfactor(SketchRule):
     """Factor a reduction that has too little spatial parallelism (two sketches: factor ko or ki)."""
     name = "add_rfactor"
@@ -300,8 +341,8 @@ def default_rules(target_kind: str) -> list[SketchRule]:
     if target_kind == "cuda":
         return custom + [AddCacheRead(), SpecialComputeLocationGPU(), AlwaysInline(), CrossThreadReduction(),
                          AddCacheWrite(), MultiLevelTilingWithFusion(), MultiLevelTiling(), SkipStage()]
-    return custom + [AlwaysInline(), AddRfactor(), AddCacheWrite(), MultiLevelTilingWithFusion(),
-                     MultiLevelTiling(), AddCacheReadPack(), SkipStage()]
+    return custom + [AlwaysInline(), SimplifyComputeWithConstTensor(), AddRfactor(), AddCacheWrite(),
+                     MultiLevelTilingWithFusion(), MultiLevelTiling(), AddCacheReadPack(), SkipStage()]
 
 
 @dataclass

@@ -54,6 +54,26 @@ def geomean_speedup(networks: dict[str, dict[int, float]], references: dict[str,
 OBJECTIVES = ("f1", "f2", "f3")
 
 
+def effective_costs(costs: Sequence[float], form_sets: Sequence[Sequence[int]]) -> list[float]:
+    """Costs as the network pays them: of each set of alternative forms of one group (its direct task
+    first; e.g. a conv and its Winograd forms) the network runs the fastest, so that one's cost stands
+    at the set's first task and the others count 0. Alternatives have the same weight (one per group
+    occurrence), so any weighted objective of these costs is the network's."""
+    out = list(costs)
+    for forms in form_sets:
+        best = min(costs[j] for j in forms)
+        for j in forms:
+            out[j] = 0.0
+        out[forms[0]] = best
+    return out
+
+
+def min_over_forms(objective: Objective, form_sets: Sequence[Sequence[int]]) -> Objective:
+    """The objective of the network that runs the fastest form of each group."""
+    sets = [tuple(f) for f in form_sets]
+    return lambda costs: objective(effective_costs(costs, sets))
+
+
 def network_objective(name: str, network: str, weights: Sequence[float], *, latency_target_s: float | None = None,
                       reference_s: float | None = None) -> Objective:
     """Ansor's objectives for one network's tasks, by name: f1 (weighted sum of latencies), f2 (f1 but
@@ -85,6 +105,9 @@ class TaskScheduler:
     eps_greedy: float = 0.05
     early_stopping_task: int | None = None    # trials without improvement before a task is dead
     seed: int = 0
+    # sets of task indices that are alternative forms of one group (NetworkTasks.form_sets): one latency
+    # term, the minimum over the set
+    form_sets: Sequence[Sequence[int]] = ()
     best_costs: list[float] = field(init=False)
     task_rounds: list[int] = field(init=False)        # rounds given to each task
     best_rounds: list[int] = field(init=False)        # the round each task last improved
@@ -101,6 +124,10 @@ class TaskScheduler:
         n = len(self.tasks)
         self.weights = list(self.weights) if self.weights is not None else [float(t.weight) for t in self.tasks]
         self.objective = self.objective or weighted_sum(self.weights)
+        self.form_sets = [tuple(f) for f in self.form_sets]
+        if self.form_sets:
+            self.objective = min_over_forms(self.objective, self.form_sets)
+        self._form_of = {j: f for f in self.form_sets for j in f}
         self.best_costs = [INF_COST] * n
         self.task_rounds, self.best_rounds, self.trials = [0] * n, [0] * n, [0] * n
         self.history = [[] for _ in range(n)]
@@ -171,6 +198,13 @@ class TaskScheduler:
         # that a microsecond change is below float precision and every chain became 0 (a random choice),
         # so they count as 0 here: they are dead and the others' relative worth is what matters.
         finite = [c if c < INF_COST or j == i else 0.0 for j, c in enumerate(costs)]
+        for forms in self.form_sets:
+            # a form without a valid program must not win its set's minimum at 0: it stands at the
+            # slowest valid form's cost instead
+            valid = [costs[j] for j in forms if costs[j] < INF_COST]
+            for j in forms:
+                if j != i and valid and costs[j] >= INF_COST:
+                    finite[j] = max(valid)
         bumped = list(finite)
         bumped[i] -= delta
         chain = (self.score(finite) - self.score(bumped)) / delta
@@ -184,8 +218,24 @@ class TaskScheduler:
             best_flops = max(self.tasks[j].flops / costs[j] for j in group)
             if best_flops > 0:       # FLOP-less tasks (BERT's transposes) have no throughput to compare
                 g_next2 = self.beta * self.tasks[i].flops / best_flops
+        forms = self._form_of.get(i, ())
+        others = [costs[j] for j in forms if j != i and costs[j] < INF_COST and self.tasks[j].flops > 0]
+        if others and self.tasks[i].flops > 0:
+            # the other forms of the group are "similar" too: the same output from fewer (Winograd) or more
+            # FLOPs, so the same bound (beta x the cost at the best throughput they reach)
+            best_form = max(self.tasks[j].flops / costs[j] for j in forms if j != i and costs[j] < INF_COST
+                            and self.tasks[j].flops > 0)
+            g_next2 = min(g_next2, self.beta * self.tasks[i].flops / best_form)
         forward = min(g_next1, g_next2) - costs[i]
-        return chain * (self.alpha * backward + (1 - self.alpha) * forward)
+        step = self.alpha * backward + (1 - self.alpha) * forward
+        if i in self._form_of:
+            # one of several forms of a group: the objective is flat in a form slower than the fastest
+            # (chain 0), so take the change the projected step would make, e.g. a Winograd form that may
+            # overtake the direct conv, or the fastest form getting faster
+            projected = list(finite)
+            projected[i] = max(costs[i] + step, 0.0)
+            return self.score(projected) - self.score(finite)
+        return chain * step
 
     def next_task(self) -> int | None:
         """The task to tune next, or None when every task is dead."""

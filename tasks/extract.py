@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tensortune.tasks import network_ops, ops, te
+from tensortune.tasks import network_ops, ops, te, winograd
 from tensortune.tasks.compute_dag import ComputeDAG, DAGError
 from tensortune.tasks.graph import Graph, contiguous
 from tensortune.tasks.graph_ops import OPS, Node, TensorInfo, run_node
@@ -220,8 +220,10 @@ class _GroupBuilder:
     """Turns one fused group into tensors: external values become placeholders (in first-use order),
     single-element float constants read by elementwise ops become literals."""
 
-    def __init__(self, graph: Graph, nodes: list[Node]):
+    def __init__(self, graph: Graph, nodes: list[Node],
+                 overrides: Mapping[str, Callable[[Node, "_GroupBuilder"], Tensor]] | None = None, name: str = ""):
         self.graph, self.nodes = graph, nodes
+        self.overrides, self.name = dict(overrides or {}), name      # node name -> builder (another form)
         self.env: dict[str, Tensor] = {}
         self.placeholders: dict[str, Tensor] = {}
         self.roles: dict[str, str] = {}          # graph value -> the role it was read in first
@@ -262,7 +264,8 @@ class _GroupBuilder:
         for node in self.nodes:
             self.node = node
             try:
-                out = TE_BUILDERS[node.op](node, self)
+                out = self.overrides[node.name](node, self) if node.name in self.overrides \
+                    else TE_BUILDERS[node.op](node, self)
             except KeyError:
                 raise ExtractError(f"node {node.name!r}: op {node.op!r} has no tensor-expression builder; "
                                    f"known: {', '.join(sorted(TE_BUILDERS))}") from None
@@ -277,7 +280,7 @@ class _GroupBuilder:
             self.env[node.output] = out
         names = list(self.placeholders)
         dag = ComputeDAG(list(self.placeholders.values()) + [self.env[self.nodes[-1].output]],
-                         name=group_name(self.graph, self.nodes))
+                         name=self.name or group_name(self.graph, self.nodes))
         return dag, names
 
 
@@ -530,6 +533,53 @@ TE_BUILDERS: dict[str, Callable[[Node, _GroupBuilder], Tensor]] = {
 }
 
 
+# ---------------------------------------------------------------------------------- Winograd forms
+
+@dataclass
+class _Forms:
+    """Alternative forms found by extraction: the constants they add and, per group index, the
+    (nodes, builder overrides, DAG name) to build each alternative from."""
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    per_group: dict[int, list[tuple[list[Node], dict[str, Callable], str]]] = field(default_factory=dict)
+
+
+def winograd_eligible(graph: Graph, node: Node) -> bool:
+    """A conv2d Winograd can compute: constant float32 weight, 3x3, stride 1, dilation 1, groups 1."""
+    if node.op != "conv2d" or node.inputs[1] not in graph.constants:
+        return False
+    w = graph.constants[node.inputs[1]]
+    return w.dtype == np.float32 and winograd.eligible(w.shape, node.attrs["strides"], node.attrs["dilations"],
+                                                       node.attrs["groups"])
+
+
+def _winograd_forms(graph: Graph, groups: list[list[Node]], tiles: tuple[int, ...]) -> _Forms:
+    forms = _Forms()
+    used = set(graph.values) | {n.name for n in graph.nodes}
+    for gi, nodes in enumerate(groups):
+        anchor = nodes[0]
+        if not tiles or not winograd_eligible(graph, anchor):
+            continue
+        for m in tiles:
+            u_name = _fresh_name(used, f"{anchor.inputs[1]}.winograd_f{m}")
+            forms.constants[u_name] = winograd.transform_weight(graph.constants[anchor.inputs[1]], m)
+            alt = Node(anchor.name, anchor.op, (anchor.inputs[0], u_name, *anchor.inputs[2:]), anchor.output,
+                       dict(anchor.attrs))
+            name = group_name(graph, nodes).replace("conv2d", f"conv2d_winograd_f{m}", 1)
+            forms.per_group.setdefault(gi, []).append(([alt, *nodes[1:]], {anchor.name: _conv2d_winograd}, name))
+    return forms
+
+
+def _conv2d_winograd(node: Node, b: _GroupBuilder) -> Tensor:
+    """The conv of `node` in Winograd form; its input 1 is the transformed weight U."""
+    pt, pl, pb, pr = node.attrs["pads"]
+    x = b.input(0, "data")
+    if (pt, pl) != (pb, pr):
+        x = ops.pad(x, (0, 0, pt, pl), (0, 0, pb, pr))
+        pt = pl = 0
+    out = winograd.conv2d_winograd_nchw(x, b.input(1, "U"), (pt, pl))
+    return ops.bias_add(out, b.input(2, "bias"), axis=1) if b.has(2) else out
+
+
 # ---------------------------------------------------------------------------------- the result
 
 @dataclass
@@ -552,12 +602,23 @@ class ExtractedTask:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """Another form of a fused group (Winograd of a conv): its task and the values bound to that task's
+    inputs (a transformed weight is a constant of its own, made at extraction)."""
+    task: int
+    inputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class FusedGroup:
-    """One occurrence of a task in the network: graph values bound to the DAG's inputs and output."""
+    """One occurrence of a task in the network: graph values bound to the DAG's inputs and output.
+    `task`/`inputs` are the direct form; `alternatives` compute the same output another way and the
+    network build runs the fastest form (NetworkTasks.resolve_forms)."""
     nodes: tuple[str, ...]
     inputs: tuple[str, ...]
     output: str
     task: int
+    alternatives: tuple[Alternative, ...] = ()
 
 
 @dataclass
@@ -581,6 +642,42 @@ class NetworkTasks:
     def total_flops(self) -> float:
         return sum(t.weight * t.flops for t in self.tasks)
 
+    def form_sets(self) -> list[tuple[int, ...]]:
+        """Task indices that are forms of one group (direct first), for every task with alternatives:
+        the network runs one of each set, so its latency term is their minimum."""
+        sets: dict[int, tuple[int, ...]] = {}
+        for g in self.groups:
+            if g.alternatives:
+                sets.setdefault(g.task, (g.task, *(a.task for a in g.alternatives)))
+        return list(sets.values())
+
+    def resolve_forms(self, records: Mapping[str, object], costs: Mapping[str, float]) -> "NetworkTasks":
+        """The network with one form per group: of the forms that have a record (in `records`) and a
+        cost (seconds, in `costs`, both by workload key), the fastest; where none has, the direct
+        form. The result has no alternatives and only the tasks some group runs (re-indexed)."""
+        def known(t: int) -> float | None:
+            key = self.tasks[t].workload_key
+            return float(costs[key]) if records.get(key) and key in costs else None
+
+        sets = self.form_sets()
+        if not sets:
+            return self
+        chosen: dict[int, int] = {}
+        for forms in sets:
+            timed = [(c, i) for i, t in enumerate(forms) if (c := known(t)) is not None]
+            chosen[forms[0]] = forms[min(timed)[1]] if timed else forms[0]
+        used: dict[int, int] = {}
+        groups = []
+        for g in self.groups:
+            pick = chosen.get(g.task, g.task)
+            inputs = g.inputs if pick == g.task else next(a.inputs for a in g.alternatives if a.task == pick)
+            groups.append(FusedGroup(g.nodes, inputs, g.output, used.setdefault(pick, len(used))))
+        tasks = [ExtractedTask(self.tasks[t].name, self.tasks[t].dag, 0, layout_free=self.tasks[t].layout_free)
+                 for t in used]
+        for g in groups:
+            tasks[g.task].weight += 1
+        return NetworkTasks(self.source, self.graph, tasks, groups, dict(self.aliases), dict(self.node_group))
+
     def table(self) -> list[dict]:
         """One row per task: index, name, weight, output shape, FLOPs per call and weighted, key."""
         return [{"index": i, "name": t.name, "weight": t.weight, "output": list(t.dag.outputs[0].shape),
@@ -598,17 +695,24 @@ def _layout_free(graph: Graph, builder: _GroupBuilder, inputs: list[str]) -> set
     return {i for i, v in enumerate(inputs) if v in graph.constants and builder.roles.get(v) in WEIGHT_ROLES}
 
 
-def extract_tasks(graph: Graph) -> NetworkTasks:
-    """Simplify, partition, build each group's ComputeDAG and dedup them by workload key."""
+def extract_tasks(graph: Graph, winograd_tiles: Sequence[int] = ()) -> NetworkTasks:
+    """Simplify, partition, build each group's ComputeDAG and dedup them by workload key.
+
+    `winograd_tiles` (e.g. (4,) or (2, 4)): every conv that can take the Winograd form F(m x m, 3 x 3)
+    (constant weight, 3x3, stride 1, dilation 1, groups 1) gets it as an alternative of its group,
+    one task per tile size, its weight transformed here into a new constant."""
     origin: dict[str, str | None] = {}
     simple = simplify_for_inference(graph, origin)
     groups, aliases = partition(simple)
+    forms = _winograd_forms(simple, groups, tuple(winograd_tiles))
+    if forms.constants:
+        simple = Graph(simple.name, simple.inputs, {**simple.constants, **forms.constants}, simple.nodes,
+                       simple.outputs)
     tasks: list[ExtractedTask] = []
     by_key: dict[str, int] = {}
     built: list[FusedGroup] = []
-    for nodes in groups:
-        builder = _GroupBuilder(simple, nodes)
-        dag, inputs = builder.build()
+
+    def add(dag: ComputeDAG, builder: _GroupBuilder, inputs: list[str]) -> int:
         key = dag.workload_key
         free = _layout_free(simple, builder, inputs)
         if key in by_key:
@@ -619,7 +723,19 @@ def extract_tasks(graph: Graph) -> NetworkTasks:
         else:
             by_key[key] = len(tasks)
             tasks.append(ExtractedTask(dag.name, dag, layout_free=tuple(dag.inputs[i].name for i in sorted(free))))
-        built.append(FusedGroup(tuple(n.name for n in nodes), tuple(inputs), nodes[-1].output, by_key[key]))
+        return by_key[key]
+
+    for gi, nodes in enumerate(groups):
+        builder = _GroupBuilder(simple, nodes)
+        dag, inputs = builder.build()
+        task = add(dag, builder, inputs)
+        alternatives = []
+        for alt_nodes, override, name in forms.per_group.get(gi, ()):
+            alt_builder = _GroupBuilder(simple, alt_nodes, override, name)
+            alt_dag, alt_inputs = alt_builder.build()
+            alternatives.append(Alternative(add(alt_dag, alt_builder, alt_inputs), tuple(alt_inputs)))
+        built.append(FusedGroup(tuple(n.name for n in nodes), tuple(inputs), nodes[-1].output, task,
+                                tuple(alternatives)))
     order = _execution_order(simple, groups, aliases)
     ordered = [built[i] for i in order]
     group_of: dict[str, int] = {name: gi for gi, g in enumerate(ordered) for name in g.nodes}

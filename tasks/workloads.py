@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tensortune.tasks import ops, te
+from tensortune.tasks import ops, te, winograd
 
 # name -> function returning [inputs..., outputs...]; tasks.workload_registry serves these by name
 LIBRARY: dict[str, Callable[..., list[te.Tensor]]] = {}
@@ -116,6 +116,17 @@ def conv2d_relu(N: int = 1, H: int = 56, W: int = 56, CI: int = 64, CO: int = 64
         args.append(b)
         out = ops.bias_add(out, b, axis=1)
     return args + [ops.relu(out)]
+
+
+@workload("conv2d_winograd")
+def conv2d_winograd(N: int = 1, H: int = 56, W: int = 56, CI: int = 64, CO: int = 64, padding: int = 1, m: int = 4,
+                    relu: bool = False, dtype: str = "float32"):
+    """A 3x3 stride-1 conv2d in Winograd form F(m x m, 3 x 3): the kernel input is the transformed
+    U (alpha, alpha, CO, CI) (tasks.winograd.transform_weight), [relu] fused after it."""
+    data = te.placeholder((N, CI, H, W), dtype, "data")
+    U = te.placeholder((m + 2, m + 2, CO, CI), dtype, "U")
+    out = winograd.conv2d_winograd_nchw(data, U, padding)
+    return [data, U, ops.relu(out) if relu else out]
 
 
 @workload("conv3d")

@@ -1,0 +1,62 @@
+"""The tune-network flow with Winograd forms (winograd_tiles, `tensortune tune --winograd`): both forms
+of the conv are tuned as tasks, the estimate counts the group once at its faster form, and the network
+the run ends with (and its compiled library) runs that form and passes the check."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+from tensortune.flows.tune_flow import tune_network_flow
+from tensortune.storage.records import RecordStore
+from tests.test_flow_tune import SMALL
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, resources={"measure-cpu": 1},
+                      dashboard_address=None, host="127.0.0.1") as c, Client(c, set_as_default=False) as client:
+        yield client
+
+
+def conv_onnx(path: str) -> str:
+    """x[1,8,10,10] -> Conv 3x3 pad 1 (+bias) -> Relu: one task, Winograd-eligible."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((8, 8, 3, 3)) * 0.1).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b")
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], kernel_shape=[3, 3]),
+             helper.make_node("Relu", ["c"], ["y"])]
+    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 8, 10, 10]) for n in ("x", "y"))
+    graph = helper.make_graph(nodes, "one-conv", [x], [y], [w, b])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_flow_tunes_both_forms_and_builds_the_faster(tmp_path, prefect_api, cluster):
+    network = conv_onnx(str(tmp_path / "conv.onnx"))
+    records = str(tmp_path / "records")
+    state = tune_network_flow(network, trials=24, records=records, cluster=cluster.scheduler.address,
+                              winograd_tiles=[2], return_state=True, **SMALL)
+    assert state.is_completed(), state
+    out = state.result()
+    frame = RecordStore(records).read()
+    assert frame["workload_key"].nunique() == 2             # the direct conv and its F(2x2, 3x3) form
+    tasks = out["tasks"]
+    assert len(tasks) == 2 and all(t["trials (this run)"] > 0 for t in tasks)
+    best = [t["best latency (ms)"] for t in tasks]
+    assert out["estimate_after_s"] * 1e3 == pytest.approx(min(best), rel=1e-3, abs=1e-4)
+    timing = out["network_timing"]
+    assert timing["passed"] and timing["tuned_tasks"] == 1 and len(timing["tasks"]) == 1
+    assert timing["estimate_s"] == pytest.approx(out["estimate_after_s"], rel=1e-3)
+    faster = tasks[int(np.argmin(best))]["task"]
+    assert timing["tasks"][0]["name"] == faster
+    assert out["library"]["passed"] and out["library"]["tuned"] == 1
