@@ -314,7 +314,9 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     grad, wall = runs["gradient"]
     best = {t.workload_key: s for t, s in zip(tasks, grad.best_steps) if s}
     costs = {t.workload_key: c for t, c in zip(tasks, grad.best_costs)}
-    built = {"default": build_network(net, None, target), "tuned": build_network(net, best, target, costs)}
+    built = {"default": build_network(net, None, target), "tuned": build_network(net, best, target, costs),
+             # the same tuned programs with their weights in the plain layout: what the layout rewrite buys
+             "plain": build_network(net, best, target, costs, layout_rewrite=False)}
     net = net.resolve_forms(best, costs)          # the forms the tuned network runs, for the library too
     # the same tuned kernels as one AOT library (driver in native code), loaded as a deployment loads it
     from tensortune.codegen.aot import compile_network, dispatch_overhead
@@ -341,7 +343,7 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
                           "passed": all(e <= NETWORK_TOLERANCE for e in [*ref_err.values(), *vs_ort.values()])}
     ort_vs_torch = {f"output{i}": relative_error(o, t) for i, (o, t) in enumerate(zip(ort_outs, torch_outs))}
 
-    # timing: four sides in alternating pairs, one protocol, the same inputs
+    # timing: six sides in alternating pairs, one protocol, the same inputs
     for compiled in built.values():
         compiled.set_inputs(feed)
     x = torch.from_numpy(feed[input_name])
@@ -350,6 +352,7 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
         with torch.no_grad():
             return model(x)
     sides = {"tuned": in_process(built["tuned"].run_planned), "default": in_process(built["default"].run_planned),
+             "plain": in_process(built["plain"].run_planned),
              "compiled": in_process(library.run_pointers),
              "torch": in_process(forward), "ort": in_process(lambda: sess.run(None, feed))}
     cmp = compare(sides, args.pairs)
@@ -357,7 +360,8 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     row = {"network": name, "options": options, "onnx_inputs": {input_name: list(feed[input_name].shape)},
            "tasks": len(tasks), "trials": grad.trials, "target": target, "builtin_agreement": agreement,
            "same_tasks_as_builtin": agreement["same"],
-           "threads_used": threads_used(target, sess), **cmp.fields(["tuned", "default", "compiled"], ["torch", "ort"]),
+           "threads_used": threads_used(target, sess),
+           **cmp.fields(["tuned", "default", "compiled", "plain"], ["torch", "ort"]),
            "compiled_vs_python_runtime": None, "dispatch_ns_per_kernel": dispatch_overhead(net, target) * 1e9,
            "checked": {k: v["passed"] for k, v in checks.items()}, "checks": checks,
            "check_tolerance": NETWORK_TOLERANCE, "ort_vs_torch_error": ort_vs_torch,
@@ -371,6 +375,10 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     row["est_vs_measured"] = (row["est_latency_ms"] / row["tuned_ms"]) if row["tuned_ms"] else None
     if row["compiled_ms"] and row["tuned_ms"]:
         row["compiled_vs_python_runtime"] = row["tuned_ms"] / row["compiled_ms"]
+    # > 1: the layout rewrite made the tuned network faster than its programs with plain-layout weights
+    gain = cmp.ratio("plain", "tuned")
+    row["tuned_vs_plain"] = gain.ratio_of_medians if gain else None
+    row["tuned_vs_plain_pairwise"] = gain.median_of_ratios if gain else None
     if "round-robin" in runs:
         rr, rr_wall = runs["round-robin"]
         goal = rr.curve[-1][1]
@@ -395,7 +403,7 @@ def withhold_failed(row: dict, refs: tuple[str, ...] = ("torch", "ort")) -> dict
 def printed(row: dict) -> dict:
     """The table's view of a row: ratios as 'failed' where the answer was wrong."""
     out = dict(row)
-    for label in [k for k in ("tuned", "default", "compiled") if k in row["checked"]]:
+    for label in [k for k in ("tuned", "default", "compiled", "plain") if k in row["checked"]]:
         ok = row["checked"][label]
         out[f"{label}_check"] = "ok" if ok else "FAILED"
         for ref in ("torch", "ort"):
@@ -449,9 +457,9 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(folder, ignore_errors=True)
     print_table([printed(r) for r in rows],
                 ["network", "tasks", "same_tasks_as_builtin", "trials", "tuned_check", "tuned_ms", "default_ms",
-                 "compiled_ms", "dispatch_ns_per_kernel", "torch_ms", "ort_ms",
+                 "compiled_ms", "plain_ms", "dispatch_ns_per_kernel", "torch_ms", "ort_ms",
                  "tuned_vs_torch", "tuned_vs_torch_pairwise", "tuned_vs_ort", "tuned_vs_ort_pairwise",
-                 "compiled_vs_ort",
+                 "compiled_vs_ort", "tuned_vs_plain",
                  "default_vs_torch", "est_latency_ms", "pairs_ok"])
     if any("rr_trials" in r for r in rows):
         print_table(rows, ["network", "gradient_final_objective_ms", "rr_final_objective_ms", "rr_trials",
