@@ -59,8 +59,8 @@ def simplify_for_inference(graph: Graph, origin: dict[str, str | None] | None = 
             gamma, beta, mean, var = (consts[v].astype(np.float64) for v in node.inputs[1:])
             scale = gamma / np.sqrt(var + node.attrs["epsilon"])
             shift = beta - mean * scale
-            prev_i = made_by.get(node.inputs[0])
-            prev = nodes[prev_i] if prev_i is not None else None
+            prev_i = made_by.get(node.inputs[0], -1)
+            prev = nodes[prev_i] if prev_i >= 0 else None
             if (prev is not None and prev.op in ("conv2d", "conv_transpose2d")
                     and all(v in consts for v in prev.inputs[1:]) and len(graph.consumers(prev.output)) == 1
                     and prev.output not in graph.outputs):
@@ -135,8 +135,12 @@ def _recognise_gelu(nodes: list[Node], consts: dict[str, np.ndarray], outputs: s
             continue
         x = scale.inputs[0]
         plus = only_reader(erf, "add")
-        times = only_reader(plus, "mul") if plus and scalar(other(plus, erf.output) or "") == 1.0 else None
-        half = only_reader(times, "mul") if times and other(times, plus.output) == x else None
+        if plus is None or scalar(other(plus, erf.output) or "") != 1.0:
+            continue
+        times = only_reader(plus, "mul")
+        if times is None or other(times, plus.output) != x:
+            continue
+        half = only_reader(times, "mul")
         if half is None or scalar(other(half, times.output) or "") != 0.5 or scale.output in outputs:
             continue
         replaced[half.name] = Node(half.name, "gelu", (x,), half.output)
@@ -229,14 +233,20 @@ class _GroupBuilder:
         self.roles: dict[str, str] = {}          # graph value -> the role it was read in first
         self.node: Node | None = None
 
+    @property
+    def current(self) -> Node:
+        """The node being built: the accessors below read its inputs (build() sets it for each node)."""
+        assert self.node is not None, "a node's inputs are read outside build()"
+        return self.node
+
     def info(self, i: int) -> TensorInfo:
-        return self.graph.values[self.node.inputs[i]]
+        return self.graph.values[self.current.inputs[i]]
 
     def has(self, i: int) -> bool:
-        return i < len(self.node.inputs)
+        return i < len(self.current.inputs)
 
     def scalar(self, i: int) -> float | None:
-        v = self.node.inputs[i]
+        v = self.current.inputs[i]
         arr = self.graph.constants.get(v)
         if arr is None or arr.size != 1 or arr.dtype.kind != "f" or v in self.env:
             return None
@@ -244,7 +254,7 @@ class _GroupBuilder:
 
     def input(self, i: int, role: str, shape: tuple[int, ...] | None = None) -> Tensor:
         """Input i of the current node; `shape` re-views an external input (same element count)."""
-        v = self.node.inputs[i]
+        v = self.current.inputs[i]
         if v in self.env:
             return self.env[v]
         info = self.graph.values[v]
@@ -487,8 +497,8 @@ def _clip(node: Node, b: _GroupBuilder) -> Tensor:
 
 
 def _batch_norm(node: Node, b: _GroupBuilder) -> Tensor:
-    return network_ops.batch_norm_inference(*(b.input(i, r) for i, r in enumerate(
-        ("data", "gamma", "beta", "mean", "var"))), eps=node.attrs["epsilon"])
+    x, gamma, beta, mean, var = (b.input(i, r) for i, r in enumerate(("data", "gamma", "beta", "mean", "var")))
+    return network_ops.batch_norm_inference(x, gamma, beta, mean, var, eps=node.attrs["epsilon"])
 
 
 def _slice(node: Node, b: _GroupBuilder) -> Tensor:
