@@ -370,12 +370,15 @@ def _pool(node: Node, b: _GroupBuilder) -> Tensor:
                                    a.get("count_include_pad", True))
 
 
-def _softmax(node: Node, b: _GroupBuilder) -> Tensor:
-    rank = len(b.info(0).shape)
-    if node.attrs["axis"] % rank != rank - 1:
-        raise _fail(node, f"softmax over axis {node.attrs['axis']} of a rank-{rank} tensor is not supported; "
-                          f"only the last axis (transpose first)")
-    return ops.softmax(b.input(0, "data"))
+def _over_last_axis(fn: Callable[[Tensor], Tensor]) -> Callable[[Node, _GroupBuilder], Tensor]:
+    """softmax / log_softmax: the importer moves the axis last (a transpose), the kernel reduces over it."""
+    def build(node: Node, b: _GroupBuilder) -> Tensor:
+        rank = len(b.info(0).shape)
+        if node.attrs["axis"] % rank != rank - 1:
+            raise _fail(node, f"{node.op} over axis {node.attrs['axis']} of a rank-{rank} tensor is not "
+                              f"supported; only the last axis (transpose first)")
+        return fn(b.input(0, "data"))
+    return build
 
 
 def _layer_norm(node: Node, b: _GroupBuilder) -> Tensor:
@@ -473,14 +476,6 @@ def _with_bias(node: Node, b: _GroupBuilder, out: Tensor) -> Tensor:
     return ops.bias_add(out, b.input(2, "bias"), axis=1) if b.has(2) else out
 
 
-def _log_softmax(node: Node, b: _GroupBuilder) -> Tensor:
-    rank = len(b.info(0).shape)
-    if node.attrs["axis"] % rank != rank - 1:
-        raise _fail(node, f"log_softmax over axis {node.attrs['axis']} of a rank-{rank} tensor is not supported; "
-                          f"only the last axis (transpose first)")
-    return network_ops.log_softmax(b.input(0, "data"))
-
-
 def _clip(node: Node, b: _GroupBuilder) -> Tensor:
     x, lo, hi = b.input(0, "data"), node.attrs["min"], node.attrs["max"]
     if (lo, hi) == (0.0, 6.0):
@@ -510,8 +505,8 @@ TE_BUILDERS: dict[str, Callable[[Node, _GroupBuilder], Tensor]] = {
     "conv2d": _conv2d, "conv_transpose2d": _conv_transpose2d, "dense": _dense, "matmul": _matmul,
     "max_pool2d": _pool, "avg_pool2d": _pool,
     "global_avg_pool2d": lambda n, b: ops.global_avg_pool2d_nchw(b.input(0, "data")),
-    "softmax": _softmax, "layer_norm": _layer_norm,
-    "log_softmax": _log_softmax, "pad": _pad,
+    "softmax": _over_last_axis(ops.softmax), "layer_norm": _layer_norm,
+    "log_softmax": _over_last_axis(network_ops.log_softmax), "pad": _pad,
     "conv3d": lambda n, b: _with_bias(n, b, network_ops.conv3d_ncdhw(
         b.input(0, "data"), b.input(1, "kernel"), n.attrs["strides"], n.attrs["pads"], n.attrs["dilations"],
         n.attrs["groups"])),

@@ -145,24 +145,34 @@ def _check_pairs(node: Node, a: dict, names: Sequence[str], lengths: Sequence[in
 
 # ------------------------------------------------------------------------------------ anchors
 
-def _infer_conv2d(node: Node, ins: list[TensorInfo]) -> TensorInfo:
-    a = node.attrs
-    _check_pairs(node, a, ("strides", "pads", "dilations"), (2, 4, 2))
-    x, w = ins[0], ins[1]
-    _need_float(node, ins)
-    _need_rank(node, x, 4, "data (NCHW)")
-    _need_rank(node, w, 4, "weight (OIHW)")
-    g = a["groups"]
-    n, c, h, wd = x.shape
-    co, cig, kh, kw = w.shape
-    if g < 1 or c % g or co % g or cig * g != c:
-        raise _fail(node, f"data has {c} channels, weight {list(w.shape)} with groups={g}: need weight dim 1 == "
-                          f"channels/groups and output channels divisible by groups")
-    if len(ins) == 3 and ins[2].shape != (co,):
-        raise _fail(node, f"bias must have shape [{co}], got {list(ins[2].shape)}")
-    (sh, sw), (pt, pl, pb, pr), (dh, dw) = a["strides"], a["pads"], a["dilations"]
-    return TensorInfo((n, co, _window_out(node, h, kh, sh, pt, pb, dh, "height"),
-                       _window_out(node, wd, kw, sw, pl, pr, dw, "width")), x.dtype)
+def _window_outs(node: Node, spatial: Sequence[int], k: Sequence[int], s: Sequence[int], pads: Sequence[int],
+                 d: Sequence[int]) -> tuple[int, ...]:
+    r = len(spatial)
+    return tuple(_window_out(node, spatial[i], k[i], s[i], pads[i], pads[r + i], d[i], f"spatial axis {i}")
+                 for i in range(r))
+
+
+def _infer_conv(spatial: int) -> Callable[[Node, list[TensorInfo]], TensorInfo]:
+    """Shape inference of a grouped, dilated conv over `spatial` axes (2: NCHW/OIHW, 3: NCDHW/OIDHW);
+    pads are (begins..., ends...)."""
+    layout = {2: ("data (NCHW)", "weight (OIHW)"), 3: ("data (NCDHW)", "weight (OIDHW)")}[spatial]
+
+    def infer(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+        a = node.attrs
+        _check_pairs(node, a, ("strides", "pads", "dilations"), (spatial, 2 * spatial, spatial))
+        x, w = ins[0], ins[1]
+        _need_float(node, ins)
+        _need_rank(node, x, spatial + 2, layout[0])
+        _need_rank(node, w, spatial + 2, layout[1])
+        g, c, co, cig = a["groups"], x.shape[1], w.shape[0], w.shape[1]
+        if g < 1 or c % g or co % g or cig * g != c:
+            raise _fail(node, f"data has {c} channels, weight {list(w.shape)} with groups={g}: need weight dim 1 "
+                              f"== channels/groups and output channels divisible by groups")
+        if len(ins) == 3 and ins[2].shape != (co,):
+            raise _fail(node, f"bias must have shape [{co}], got {list(ins[2].shape)}")
+        out = _window_outs(node, x.shape[2:], w.shape[2:], a["strides"], a["pads"], a["dilations"])
+        return TensorInfo((x.shape[0], co) + out, x.dtype)
+    return infer
 
 
 def _patches(x: np.ndarray, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, oh: int, ow: int):
@@ -292,30 +302,6 @@ def _run_avg_pool(xs: list[np.ndarray], a: dict) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------ 3-D (NCDHW)
-
-def _window_outs(node: Node, spatial: Sequence[int], k: Sequence[int], s: Sequence[int], pads: Sequence[int],
-                 d: Sequence[int]) -> tuple[int, ...]:
-    r = len(spatial)
-    return tuple(_window_out(node, spatial[i], k[i], s[i], pads[i], pads[r + i], d[i], f"spatial axis {i}")
-                 for i in range(r))
-
-
-def _infer_conv3d(node: Node, ins: list[TensorInfo]) -> TensorInfo:
-    a = node.attrs
-    _check_pairs(node, a, ("strides", "pads", "dilations"), (3, 6, 3))
-    x, w = ins[0], ins[1]
-    _need_float(node, ins)
-    _need_rank(node, x, 5, "data (NCDHW)")
-    _need_rank(node, w, 5, "weight (OIDHW)")
-    g, c, co, cig = a["groups"], x.shape[1], w.shape[0], w.shape[1]
-    if g < 1 or c % g or co % g or cig * g != c:
-        raise _fail(node, f"data has {c} channels, weight {list(w.shape)} with groups={g}: need weight dim 1 == "
-                          f"channels/groups and output channels divisible by groups")
-    if len(ins) == 3 and ins[2].shape != (co,):
-        raise _fail(node, f"bias must have shape [{co}], got {list(ins[2].shape)}")
-    out = _window_outs(node, x.shape[2:], w.shape[2:], a["strides"], a["pads"], a["dilations"])
-    return TensorInfo((x.shape[0], co) + out, x.dtype)
-
 
 def _run_conv3d(xs: list[np.ndarray], a: dict) -> np.ndarray:
     """Sum over the kernel offsets of (grouped) channel matmuls with the strided input views."""
@@ -690,7 +676,7 @@ def _infer_reduce(node: Node, ins: list[TensorInfo]) -> TensorInfo:
 
 def _register_all() -> None:
     conv = {"strides": (1, 1), "pads": (0, 0, 0, 0), "dilations": (1, 1), "groups": 1}
-    register_op("conv2d", "anchor", (2, 3), conv, _infer_conv2d, _run_conv2d)
+    register_op("conv2d", "anchor", (2, 3), conv, _infer_conv(2), _run_conv2d)
     register_op("conv_transpose2d", "anchor", (2, 3),
                 {"strides": (1, 1), "pads": (0, 0, 0, 0), "output_padding": (0, 0), "dilations": (1, 1)},
                 _infer_conv_transpose2d, _run_conv_transpose2d)
@@ -702,7 +688,7 @@ def _register_all() -> None:
     register_op("global_avg_pool2d", "anchor", (1, 1), {}, _infer_global_pool,
                 lambda xs, a: xs[0].mean(axis=(2, 3), keepdims=True))
     register_op("conv3d", "anchor", (2, 3), {"strides": (1, 1, 1), "pads": (0,) * 6, "dilations": (1, 1, 1),
-                                             "groups": 1}, _infer_conv3d, _run_conv3d)
+                                             "groups": 1}, _infer_conv(3), _run_conv3d)
     pool3d = {"kernel": REQUIRED, "strides": (1, 1, 1), "pads": (0,) * 6}
     register_op("max_pool3d", "anchor", (1, 1), pool3d, _infer_pool3d,
                 lambda xs, a: _pool3d_windows(xs[0], a, -np.inf).max(axis=(-3, -2, -1)))

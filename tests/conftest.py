@@ -118,3 +118,23 @@ def check_state(state: State, seed: int = 0) -> None:
 @pytest.fixture(params=sorted(SMALL_WORKLOADS))
 def small_workload(request):
     return small_dag(request.param)
+
+
+# ------------------------------------------------------------------ the flow tests' Prefect API and cluster
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    """A temporary Prefect server for one test module's flow runs."""
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+@pytest.fixture(scope="module")
+def flow_cluster():
+    """A LocalCluster of two worker processes advertising the CPU measure resource, as `dask worker
+    --resources measure-cpu=1` starts them; the flow gets a client that is not the process default."""
+    from distributed import Client, LocalCluster
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, resources={"measure-cpu": 1},
+                      dashboard_address=None, host="127.0.0.1") as c, Client(c, set_as_default=False) as client:
+        yield client

@@ -11,7 +11,6 @@ import threading
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from distributed import Client, LocalCluster
 
 from tensortune.codegen.target import parse_target
 from tensortune.flows.artifacts import artifact_key
@@ -23,20 +22,6 @@ from tests.test_flow_dask_measure import kill_a_timing_worker
 SMALL = dict(per_round=8, retrain_every=2, model_warmup=16,
              search=dict(population=64, sample_init_population=64, num_iters=1),
              timing=dict(min_repeat_ms=40, repeat=1))
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-    with prefect_test_harness(server_startup_timeout=90):
-        yield
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, resources={"measure-cpu": 1},
-                      dashboard_address=None, host="127.0.0.1") as c, Client(c, set_as_default=False) as client:
-        yield client
 
 
 def two_task_onnx(path: str) -> str:
@@ -72,23 +57,23 @@ def read_back(flow_run_id):
     return run, found, task_runs
 
 
-def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, prefect_api, cluster):
+def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, prefect_api, flow_cluster):
     network = two_task_onnx(str(tmp_path / "mlp.onnx"))
     records = str(tmp_path / "records")
-    address = cluster.scheduler.address
-    pids = cluster.run(os.getpid)
+    address = flow_cluster.scheduler.address
+    pids = flow_cluster.run(os.getpid)
 
     # first run: 32 trials in 4 rounds of 8, one Dask worker killed by its pid while it times a candidate
     out = {}
     run = threading.Thread(target=lambda: out.setdefault("state", tune_network_flow(
         network, trials=32, records=records, cluster=address, return_state=True, **SMALL)))
     run.start()
-    killed = kill_a_timing_worker(cluster, pids, timeout=120)
+    killed = kill_a_timing_worker(flow_cluster, pids, timeout=120)
     run.join(timeout=600)
     state = out["state"]
     assert state.is_completed(), state
     first = state.result()
-    assert killed not in cluster.run(os.getpid).values()
+    assert killed not in flow_cluster.run(os.getpid).values()
 
     # records: real Parquet, one row per measured program, none lost to the kill
     files = [os.path.join(d, f) for d, _, fs in os.walk(records) for f in fs if f.endswith(".parquet")]

@@ -5,25 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
 
 from tensortune.flows.tune_flow import tune_network_flow
 from tensortune.storage.records import RecordStore
 from tests.test_flow_tune import SMALL
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-    with prefect_test_harness(server_startup_timeout=90):
-        yield
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, resources={"measure-cpu": 1},
-                      dashboard_address=None, host="127.0.0.1") as c, Client(c, set_as_default=False) as client:
-        yield client
 
 
 def conv_onnx(path: str) -> str:
@@ -41,10 +26,10 @@ def conv_onnx(path: str) -> str:
     return path
 
 
-def test_flow_tunes_both_forms_and_builds_the_faster(tmp_path, prefect_api, cluster):
+def test_flow_tunes_both_forms_and_builds_the_faster(tmp_path, prefect_api, flow_cluster):
     network = conv_onnx(str(tmp_path / "conv.onnx"))
     records = str(tmp_path / "records")
-    state = tune_network_flow(network, trials=24, records=records, cluster=cluster.scheduler.address,
+    state = tune_network_flow(network, trials=24, records=records, cluster=flow_cluster.scheduler.address,
                               winograd_tiles=[2], return_state=True, **SMALL)
     assert state.is_completed(), state
     out = state.result()
