@@ -38,9 +38,20 @@ def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         proc.wait()
 
 
+def start_as_from_a_terminal(command: list[str], **kwargs) -> subprocess.Popen:
+    """A command as a shell runs it in the foreground: its own process group (a terminal's Ctrl-C goes
+    to the group) and SIGINT at its default. A test runner started in the background of a
+    non-interactive shell (`cmd &`, nohup, CI wrappers) inherits SIGINT ignored, its children with it,
+    and a Python started with SIGINT ignored never raises KeyboardInterrupt: Ctrl-C tests would then
+    test the runner's start, not the command."""
+    return subprocess.Popen(command, start_new_session=True, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kwargs)
+
+
 def ctrl_c_after_first_round(proc: subprocess.Popen, records: Path, wait_s: float) -> tuple[str, str]:
     """Once `records` holds a stored round, send SIGINT to the command's process group (as a terminal's
-    Ctrl-C does; start it with start_new_session=True) and return its (stdout, stderr)."""
+    Ctrl-C does; start it with start_as_from_a_terminal) and return its (stdout, stderr)."""
     try:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not list(records.rglob("*.parquet")):

@@ -14,7 +14,7 @@ from tensortune.flows.tuning import apply_best
 from tensortune.storage.records import RecordStore
 from tensortune.tasks.reference import evaluate, mismatch
 from tensortune.tasks.workload_registry import make_dag
-from tests.conftest import ctrl_c_after_first_round
+from tests.conftest import ctrl_c_after_first_round, start_as_from_a_terminal
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +91,14 @@ def test_version_is_the_installed_package_version():
 def test_ctrl_c_ends_tune_op_with_one_line_saying_what_was_stored(tmp_path):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: exit 130, one line with
     the number of this run's stored measurements, no traceback from the command or its workers."""
-    import subprocess
     import sys
     from pathlib import Path
     records = tmp_path / "records"
     script = Path(sys.executable).with_name("tensortune")
     command = [str(script)] if script.exists() else [sys.executable, "-c",
                                                       "from tensortune.flows.cli import main; main()"]
-    proc = subprocess.Popen([*command, "tune-op", "matmul", "--args", "64,64,64", "--trials", "100000",
-                             "--per-round", "8", "--records", str(records)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = start_as_from_a_terminal([*command, "tune-op", "matmul", "--args", "64,64,64", "--trials", "100000",
+                                     "--per-round", "8", "--records", str(records)])
     out, err = ctrl_c_after_first_round(proc, records, 180)
     assert proc.returncode == 130, out + err
     lines = [line for line in err.splitlines() if line.strip()]

@@ -17,7 +17,7 @@ import pytest
 from tensortune.flows.prefect_server import PrefectServer, api_healthy
 from tensortune.flows.tuning import default_programs, network_tasks
 from tensortune.storage.records import RecordStore
-from tests.conftest import ctrl_c_after_first_round
+from tests.conftest import ctrl_c_after_first_round, start_as_from_a_terminal
 from tests.test_flow_tune import read_back
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,9 +194,9 @@ def test_ctrl_c_ends_the_flow_with_one_line_and_no_worker_traceback(tmp_path):
     records, port = tmp_path / "records", _free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    proc = subprocess.Popen([*COMMAND, "tune", "resnet-18", "--image-size", "32", "--trials", "400", "--records",
-                             str(records), "--port", str(port), "--stop-server"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = start_as_from_a_terminal([*COMMAND, "tune", "resnet-18", "--image-size", "32", "--trials", "400",
+                                     "--records", str(records), "--port", str(port), "--stop-server"],
+                                    cwd=tmp_path, env=env)
     out, err = ctrl_c_after_first_round(proc, records, 300)
     assert proc.returncode == 130, (out + err)[-3000:]
     stored = len(RecordStore(str(records)).read())
