@@ -175,26 +175,26 @@ def _infer_conv(spatial: int) -> Callable[[Node, list[TensorInfo]], TensorInfo]:
     return infer
 
 
-def _patches(x: np.ndarray, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, oh: int, ow: int):
-    for ky in range(kh):
-        for kx in range(kw):
-            yield ky, kx, x[..., ky * dh: ky * dh + sh * (oh - 1) + 1: sh, kx * dw: kx * dw + sw * (ow - 1) + 1: sw]
-
-
-def _run_conv2d(xs: list[np.ndarray], a: dict) -> np.ndarray:
-    x, w = xs[0], xs[1]
-    (sh, sw), (pt, pl, pb, pr), (dh, dw), g = a["strides"], a["pads"], a["dilations"], a["groups"]
-    x = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
-    n, c, h, wd = x.shape
-    co, cig, kh, kw = w.shape
-    oh, ow = (h - dh * (kh - 1) - 1) // sh + 1, (wd - dw * (kw - 1) - 1) // sw + 1
-    wg = w.reshape(g, co // g, cig, kh, kw)
-    xg = x.reshape(n, g, cig, h, wd)
-    out = np.zeros((n, g, co // g, oh * ow))
-    for ky, kx, patch in _patches(xg, kh, kw, sh, sw, dh, dw, oh, ow):
-        out += np.matmul(wg[None, :, :, :, ky, kx], patch.reshape(n, g, cig, oh * ow))
-    out = out.reshape(n, co, oh, ow)
-    return out + xs[2].reshape(1, co, 1, 1) if len(xs) == 3 else out
+def _run_conv(xs: list[np.ndarray], a: dict) -> np.ndarray:
+    """Grouped, dilated conv over any number of spatial axes: the sum over the kernel offsets of the
+    (grouped) channel matmuls with the strided input views; pads are (begins..., ends...)."""
+    x, w, g = xs[0], xs[1], a["groups"]
+    s, p, d = a["strides"], a["pads"], a["dilations"]
+    r = w.ndim - 2
+    x = np.pad(x, ((0, 0), (0, 0)) + tuple((p[i], p[r + i]) for i in range(r)))
+    n = x.shape[0]
+    co, cig = w.shape[:2]
+    k = w.shape[2:]
+    out_sp = tuple((x.shape[2 + i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(r))
+    xg = x.reshape((n, g, cig) + x.shape[2:])
+    wg = w.reshape((g, co // g, cig) + k)
+    out = np.zeros((n, g, co // g, math.prod(out_sp)))
+    for off in np.ndindex(*k):
+        view = xg[(...,) + tuple(slice(off[i] * d[i], off[i] * d[i] + s[i] * (out_sp[i] - 1) + 1, s[i])
+                                 for i in range(r))]
+        out += np.matmul(wg[(None, slice(None), slice(None), slice(None)) + off], view.reshape(n, g, cig, -1))
+    out = out.reshape((n, co) + out_sp)
+    return out + xs[2].reshape((1, co) + (1,) * r) if len(xs) == 3 else out
 
 
 def _infer_conv_transpose2d(node: Node, ins: list[TensorInfo]) -> TensorInfo:
@@ -264,88 +264,41 @@ def _infer_matmul(node: Node, ins: list[TensorInfo]) -> TensorInfo:
     return TensorInfo(batch + (a.shape[-2], b.shape[-1]), a.dtype)
 
 
-def _pool_attrs(node: Node, ins: list[TensorInfo]) -> tuple:
-    a = node.attrs
-    _check_pairs(node, a, ("kernel", "strides", "pads"), (2, 2, 4))
-    _need_rank(node, ins[0], 4, "data (NCHW)")
-    _need_float(node, ins)
-    (kh, kw), (sh, sw), (pt, pl, pb, pr) = a["kernel"], a["strides"], a["pads"]
-    if max(pt, pb) >= kh or max(pl, pr) >= kw:
-        raise _fail(node, f"padding {list(a['pads'])} must be smaller than the kernel {[kh, kw]}")
-    return kh, kw, sh, sw, pt, pl, pb, pr
+def _infer_pool(spatial: int) -> Callable[[Node, list[TensorInfo]], TensorInfo]:
+    """Shape inference of max/avg pooling over `spatial` axes (2: NCHW, 3: NCDHW); pads (begins..., ends...)."""
+    layout = {2: "data (NCHW)", 3: "data (NCDHW)"}[spatial]
+
+    def infer(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+        a = node.attrs
+        _check_pairs(node, a, ("kernel", "strides", "pads"), (spatial, spatial, 2 * spatial))
+        _need_rank(node, ins[0], spatial + 2, layout)
+        _need_float(node, ins)
+        if any(max(a["pads"][i], a["pads"][spatial + i]) >= a["kernel"][i] for i in range(spatial)):
+            raise _fail(node, f"padding {list(a['pads'])} must be smaller than the kernel {list(a['kernel'])}")
+        return TensorInfo(ins[0].shape[:2] + _window_outs(node, ins[0].shape[2:], a["kernel"], a["strides"],
+                                                          a["pads"], (1,) * spatial), ins[0].dtype)
+    return infer
 
 
-def _infer_pool(node: Node, ins: list[TensorInfo]) -> TensorInfo:
-    kh, kw, sh, sw, pt, pl, pb, pr = _pool_attrs(node, ins)
-    n, c, h, w = ins[0].shape
-    return TensorInfo((n, c, _window_out(node, h, kh, sh, pt, pb, 1, "height"),
-                       _window_out(node, w, kw, sw, pl, pr, 1, "width")), ins[0].dtype)
-
-
-def _pool_windows(x: np.ndarray, a: dict, fill: float):
-    (kh, kw), (sh, sw), (pt, pl, pb, pr) = a["kernel"], a["strides"], a["pads"]
-    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)), constant_values=fill)
-    win = np.lib.stride_tricks.sliding_window_view(xp, (kh, kw), axis=(2, 3))
-    return win[:, :, ::sh, ::sw]
+def _pool_windows(x: np.ndarray, a: dict, fill: float) -> np.ndarray:
+    """Every window of x (..., *spatial, *kernel), the spatial axes padded with `fill`."""
+    p, s, k = a["pads"], a["strides"], tuple(a["kernel"])
+    r = len(k)
+    xp = np.pad(x, ((0, 0), (0, 0)) + tuple((p[i], p[r + i]) for i in range(r)), constant_values=fill)
+    win = np.lib.stride_tricks.sliding_window_view(xp, k, axis=tuple(range(2, 2 + r)))
+    return win[(slice(None), slice(None)) + tuple(slice(None, None, st) for st in s)]
 
 
 def _run_max_pool(xs: list[np.ndarray], a: dict) -> np.ndarray:
-    return _pool_windows(xs[0], a, -np.inf).max(axis=(-2, -1))
+    return _pool_windows(xs[0], a, -np.inf).max(axis=tuple(range(-len(a["kernel"]), 0)))
 
 
 def _run_avg_pool(xs: list[np.ndarray], a: dict) -> np.ndarray:
-    total = _pool_windows(xs[0], a, 0.0).sum(axis=(-2, -1))
-    if a["count_include_pad"]:
-        return total / (a["kernel"][0] * a["kernel"][1])
-    count = _pool_windows(np.ones((1, 1) + xs[0].shape[2:]), a, 0.0).sum(axis=(-2, -1))
-    return total / count
-
-
-# ------------------------------------------------------------------------------------ 3-D (NCDHW)
-
-def _run_conv3d(xs: list[np.ndarray], a: dict) -> np.ndarray:
-    """Sum over the kernel offsets of (grouped) channel matmuls with the strided input views."""
-    x, w, g = xs[0], xs[1], a["groups"]
-    s, p, d = a["strides"], a["pads"], a["dilations"]
-    x = np.pad(x, ((0, 0), (0, 0)) + tuple((p[i], p[3 + i]) for i in range(3)))
-    n, c = x.shape[:2]
-    co, cig = w.shape[:2]
-    k = w.shape[2:]
-    out_sp = tuple((x.shape[2 + i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(3))
-    xg = x.reshape((n, g, cig) + x.shape[2:])
-    wg = w.reshape((g, co // g, cig) + k)
-    out = np.zeros((n, g, co // g, math.prod(out_sp)))
-    for off in np.ndindex(*k):
-        view = xg[(...,) + tuple(slice(off[i] * d[i], off[i] * d[i] + s[i] * (out_sp[i] - 1) + 1, s[i])
-                                 for i in range(3))]
-        out += np.matmul(wg[(None, slice(None), slice(None), slice(None)) + off], view.reshape(n, g, cig, -1))
-    out = out.reshape((n, co) + out_sp)
-    return out + xs[2].reshape(1, co, 1, 1, 1) if len(xs) == 3 else out
-
-
-def _infer_pool3d(node: Node, ins: list[TensorInfo]) -> TensorInfo:
-    a = node.attrs
-    _check_pairs(node, a, ("kernel", "strides", "pads"), (3, 3, 6))
-    _need_rank(node, ins[0], 5, "data (NCDHW)")
-    _need_float(node, ins)
-    if any(max(a["pads"][i], a["pads"][3 + i]) >= a["kernel"][i] for i in range(3)):
-        raise _fail(node, f"padding {list(a['pads'])} must be smaller than the kernel {list(a['kernel'])}")
-    return TensorInfo(ins[0].shape[:2] + _window_outs(node, ins[0].shape[2:], a["kernel"], a["strides"], a["pads"],
-                                                      (1, 1, 1)), ins[0].dtype)
-
-
-def _pool3d_windows(x: np.ndarray, a: dict, fill: float) -> np.ndarray:
-    p, s = a["pads"], a["strides"]
-    xp = np.pad(x, ((0, 0), (0, 0)) + tuple((p[i], p[3 + i]) for i in range(3)), constant_values=fill)
-    win = np.lib.stride_tricks.sliding_window_view(xp, tuple(a["kernel"]), axis=(2, 3, 4))
-    return win[:, :, ::s[0], ::s[1], ::s[2]]
-
-
-def _run_avg_pool3d(xs: list[np.ndarray], a: dict) -> np.ndarray:
-    total = _pool3d_windows(xs[0], a, 0.0).sum(axis=(-3, -2, -1))
+    window_axes = tuple(range(-len(a["kernel"]), 0))
+    total = _pool_windows(xs[0], a, 0.0).sum(axis=window_axes)
     if a["count_include_pad"]:
         return total / math.prod(a["kernel"])
-    return total / _pool3d_windows(np.ones((1, 1) + xs[0].shape[2:]), a, 0.0).sum(axis=(-3, -2, -1))
+    return total / _pool_windows(np.ones((1, 1) + xs[0].shape[2:]), a, 0.0).sum(axis=window_axes)
 
 
 def _infer_global_pool(node: Node, ins: list[TensorInfo]) -> TensorInfo:
@@ -676,24 +629,23 @@ def _infer_reduce(node: Node, ins: list[TensorInfo]) -> TensorInfo:
 
 def _register_all() -> None:
     conv = {"strides": (1, 1), "pads": (0, 0, 0, 0), "dilations": (1, 1), "groups": 1}
-    register_op("conv2d", "anchor", (2, 3), conv, _infer_conv(2), _run_conv2d)
+    register_op("conv2d", "anchor", (2, 3), conv, _infer_conv(2), _run_conv)
     register_op("conv_transpose2d", "anchor", (2, 3),
                 {"strides": (1, 1), "pads": (0, 0, 0, 0), "output_padding": (0, 0), "dilations": (1, 1)},
                 _infer_conv_transpose2d, _run_conv_transpose2d)
     register_op("dense", "anchor", (2, 3), {}, _infer_dense, _run_dense)
     register_op("matmul", "anchor", (2, 2), {}, _infer_matmul, lambda xs, a: np.matmul(xs[0], xs[1]))
     pool = {"kernel": REQUIRED, "strides": (1, 1), "pads": (0, 0, 0, 0)}
-    register_op("max_pool2d", "anchor", (1, 1), pool, _infer_pool, _run_max_pool)
-    register_op("avg_pool2d", "anchor", (1, 1), {**pool, "count_include_pad": False}, _infer_pool, _run_avg_pool)
+    register_op("max_pool2d", "anchor", (1, 1), pool, _infer_pool(2), _run_max_pool)
+    register_op("avg_pool2d", "anchor", (1, 1), {**pool, "count_include_pad": False}, _infer_pool(2), _run_avg_pool)
     register_op("global_avg_pool2d", "anchor", (1, 1), {}, _infer_global_pool,
                 lambda xs, a: xs[0].mean(axis=(2, 3), keepdims=True))
     register_op("conv3d", "anchor", (2, 3), {"strides": (1, 1, 1), "pads": (0,) * 6, "dilations": (1, 1, 1),
-                                             "groups": 1}, _infer_conv(3), _run_conv3d)
+                                             "groups": 1}, _infer_conv(3), _run_conv)
     pool3d = {"kernel": REQUIRED, "strides": (1, 1, 1), "pads": (0,) * 6}
-    register_op("max_pool3d", "anchor", (1, 1), pool3d, _infer_pool3d,
-                lambda xs, a: _pool3d_windows(xs[0], a, -np.inf).max(axis=(-3, -2, -1)))
-    register_op("avg_pool3d", "anchor", (1, 1), {**pool3d, "count_include_pad": False}, _infer_pool3d,
-                _run_avg_pool3d)
+    register_op("max_pool3d", "anchor", (1, 1), pool3d, _infer_pool(3), _run_max_pool)
+    register_op("avg_pool3d", "anchor", (1, 1), {**pool3d, "count_include_pad": False}, _infer_pool(3),
+                _run_avg_pool)
     register_op("softmax", "anchor", (1, 1), {"axis": -1}, _infer_softmax, _run_softmax)
     register_op("layer_norm", "anchor", (3, 3), {"axis": -1, "epsilon": 1e-5}, _infer_layer_norm, _run_layer_norm)
     for name, fn in (("reduce_mean", np.mean), ("reduce_sum", np.sum), ("reduce_max", np.max),

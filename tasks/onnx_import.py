@@ -302,27 +302,6 @@ def _required_ints(imp: _Importer, a: dict, name: str) -> tuple[int, ...]:
     return _int_tuple(a[name])
 
 
-def _auto_pad(imp: _Importer, a: dict, in_hw, k_hw, s_hw, d_hw) -> tuple[int, int, int, int]:
-    """pads (top, left, bottom, right) from ONNX pads [x1_begin, x2_begin, x1_end, x2_end] or auto_pad."""
-    mode = a.get("auto_pad", "NOTSET")
-    if mode in ("NOTSET", ""):
-        p = _ints(a.get("pads"), default=(0, 0, 0, 0))
-        if len(p) != 4:
-            raise imp.fail(f"pads {list(p)} must have 4 entries for a 2-D op")
-        return p
-    if mode == "VALID":
-        return (0, 0, 0, 0)
-    if mode in ("SAME_UPPER", "SAME_LOWER"):
-        pads = []
-        for size, k, s, d in zip(in_hw, k_hw, s_hw, d_hw):
-            out = -(-size // s)
-            total = max(0, (out - 1) * s + (k - 1) * d + 1 - size)
-            lo = total // 2 if mode == "SAME_UPPER" else total - total // 2
-            pads.append((lo, total - lo))
-        return (pads[0][0], pads[1][0], pads[0][1], pads[1][1])
-    raise imp.fail(f"unsupported auto_pad {mode!r}")
-
-
 def _need_2d(imp: _Importer, x: _Value, what: str = "input") -> None:
     if len(imp.shape(x)) != 4:
         raise imp.fail(f"only 1-D, 2-D and 3-D spatial ops (NCW, NCHW, NCDHW) are supported; {what} has "
@@ -394,7 +373,7 @@ def _conv(imp: _Importer):
     _need_2d(imp, x)
     k = _ints(a.get("kernel_shape"), default=tuple(imp.shape(w)[2:]))
     s, d = _ints(a.get("strides"), default=(1, 1)), _ints(a.get("dilations"), default=(1, 1))
-    pads = _auto_pad(imp, a, imp.shape(x)[2:], k, s, d)
+    pads = _pads_nd(imp, a, imp.shape(x)[2:], k, s, d)
     ins = [x, w] + ([imp.inp(2)] if len(imp.node.input) > 2 and imp.node.input[2] else [])
     if back is None:
         return imp.emit("conv2d", ins, strides=s, pads=pads, dilations=d, groups=int(a.get("group", 1)))
@@ -527,44 +506,29 @@ def _layer_norm(imp: _Importer):
     return imp.emit("reshape", [y], shape=shape)
 
 
-def _pool3d(imp: _Importer, kind: str, x: _Value, a: dict):
-    if int(a.get("ceil_mode", 0)):
-        raise imp.fail("ceil_mode=1 is not supported; use ceil_mode=0 (floor)")
-    if any(v != 1 for v in _ints(a.get("dilations"), default=(1, 1, 1))):
-        raise imp.fail(f"dilations {a['dilations']} are not supported for pooling")
-    k = _ints(a.get("kernel_shape"))
-    if k is None or len(k) != 3:
-        raise imp.fail(f"kernel_shape must have 3 entries, got {a.get('kernel_shape')}")
-    s = _ints(a.get("strides"), default=(1, 1, 1))
-    pads = _pads_nd(imp, a, imp.shape(x)[2:], k, s, (1, 1, 1))
-    if kind == "max":
-        return imp.emit("max_pool3d", [x], kernel=k, strides=s, pads=pads)
-    return imp.emit("avg_pool3d", [x], kernel=k, strides=s, pads=pads,
-                    count_include_pad=bool(a.get("count_include_pad", 0)))
-
-
 def _pool(kind: str) -> Callable:
     def convert(imp: _Importer):
         x, a, back = _lift_1d(imp, imp.inp(0), imp.attrs())
-        if len(imp.shape(x)) == 5:
-            return _pool3d(imp, kind, x, a)
-        _need_2d(imp, x)
+        spatial = len(imp.shape(x)) - 2
+        if spatial != 3:
+            _need_2d(imp, x)
         if int(a.get("ceil_mode", 0)):
             raise imp.fail("ceil_mode=1 is not supported; use ceil_mode=0 (floor)")
-        if any(v != 1 for v in _ints(a.get("dilations"), default=(1, 1))):
+        if any(v != 1 for v in _ints(a.get("dilations"), default=(1,) * spatial)):
             raise imp.fail(f"dilations {a['dilations']} are not supported for pooling")
         if int(a.get("storage_order", 0)):
             raise imp.fail("storage_order=1 is not supported")
         k = _ints(a.get("kernel_shape"))
-        if k is None or len(k) != 2:
-            raise imp.fail(f"kernel_shape must have 2 entries, got {a.get('kernel_shape')}")
-        s = _ints(a.get("strides"), default=(1, 1))
-        pads = _auto_pad(imp, a, imp.shape(x)[2:], k, s, (1, 1))
+        if k is None or len(k) != spatial:
+            raise imp.fail(f"kernel_shape must have {spatial} entries, got {a.get('kernel_shape')}")
+        s = _ints(a.get("strides"), default=(1,) * spatial)
+        pads = _pads_nd(imp, a, imp.shape(x)[2:], k, s, (1,) * spatial)
         attrs = dict(kernel=k, strides=s, pads=pads) if kind == "max" else dict(
             kernel=k, strides=s, pads=pads, count_include_pad=bool(a.get("count_include_pad", 0)))
+        op = f"{kind}_pool{spatial}d"
         if back is None:
-            return imp.emit(f"{kind}_pool2d", [x], **attrs)
-        return back(imp.emit(f"{kind}_pool2d", [x], output=f"{imp.node_label}.pool2d", **attrs))
+            return imp.emit(op, [x], **attrs)
+        return back(imp.emit(op, [x], output=f"{imp.node_label}.pool2d", **attrs))
     return convert
 
 
@@ -665,15 +629,6 @@ def _expand(imp: _Importer):
     if isinstance(x, np.ndarray):
         return contiguous(np.broadcast_to(x, out))
     return x if out == tuple(xs) else imp.emit("broadcast_to", [x], shape=out)
-
-
-def _cast_like(imp: _Importer):
-    x, to = imp.inp(0), imp.dtype(imp.inp(1))
-    if isinstance(x, np.ndarray):
-        return x.astype(to)
-    if imp.dtype(x) == to:
-        return x
-    raise imp.fail(f"casting a run-time tensor from {imp.dtype(x)} to {to} is not supported")
 
 
 def _global_max_pool(imp: _Importer):
@@ -1019,14 +974,17 @@ def _shape(imp: _Importer):
     return np.array(shape[start: None if end is None else int(end)], dtype=np.int64)
 
 
-def _cast(imp: _Importer):
-    x = imp.inp(0)
-    to = imp._tensor_dtype(int(imp.attrs()["to"]), f"node {imp.node_label}")
+def _cast_to(imp: _Importer, x: _Value, to: str) -> _Value:
+    """A constant cast now; a run-time tensor only to its own dtype (kernels compute one dtype)."""
     if isinstance(x, np.ndarray):
         return x.astype(to)
     if imp.dtype(x) == to:
         return x
     raise imp.fail(f"casting a run-time tensor from {imp.dtype(x)} to {to} is not supported")
+
+
+def _cast(imp: _Importer):
+    return _cast_to(imp, imp.inp(0), imp._tensor_dtype(int(imp.attrs()["to"]), f"node {imp.node_label}"))
 
 
 def _const_only(fn: Callable) -> Callable:
@@ -1085,7 +1043,8 @@ CONVERTERS: dict[str, Callable[[_Importer], _Value | tuple[_Value, ...]]] = {
     "LogSoftmax": lambda imp: _softmax(imp, "log_softmax"), "LRN": _lrn,
     "InstanceNormalization": _instance_norm, "Pad": _pad, "Tile": _tile, "Split": _split,
     "ReduceMax": _reduce("reduce_max", 18), "ReduceMin": _reduce("reduce_min", 18),
-    "GlobalMaxPool": _global_max_pool, "RMSNormalization": _rms_norm, "Expand": _expand, "CastLike": _cast_like,
+    "GlobalMaxPool": _global_max_pool, "RMSNormalization": _rms_norm, "Expand": _expand,
+    "CastLike": lambda imp: _cast_to(imp, imp.inp(0), imp.dtype(imp.inp(1))),
     "Softsign": _activation("softsign"), "Swish": _activation("swish", ("alpha", "alpha")),
     "ThresholdedRelu": _activation("thresholded_relu", ("alpha", "alpha")),
     "Shrink": _activation("shrink", ("lambd", "lambd"), ("bias", "bias")), "Sign": _activation("sign"),
