@@ -36,6 +36,7 @@ from bench.common import (
     threads_used,
     write_json,
 )
+from tensortune.tasks.winograd import parse_tiles
 
 NETWORK_OPTIONS = {
     "resnet-18": {"image_size": 224},
@@ -274,11 +275,6 @@ def network_options(name: str, args) -> dict:
     return options
 
 
-def winograd_tiles(args) -> tuple[int, ...]:
-    """--winograd "2,4" -> (2, 4); "" -> ()."""
-    return tuple(int(t) for t in str(getattr(args, "winograd", "") or "").split(",") if t.strip())
-
-
 def in_network_breakdown(compiled, tasks) -> list[float | None]:
     """ms per call of each task inside the network (CompiledNetwork.profile: all its calls / weight), to
     set beside the tuner's task_best_ms; an attribution of the estimate's gap, never a compared speed.
@@ -298,7 +294,7 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     model, example = torch_model(name, torch, options)
     path = export_onnx(model, example, os.path.join(folder, f"{name}.onnx"), torch)
     graph = import_onnx(path, name=name)
-    tiles = winograd_tiles(args)
+    tiles = args.winograd
     net, tasks = network_tasks(graph, target, tiles)
     agreement = builtin_agreement(tasks, network_tasks(name, target, tiles, **options)[1])
     feed = graph.random_inputs(args.seed)         # the same inputs for every side
@@ -425,7 +421,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seq-len", type=int, help="BERT's sequence length (default 128)")
     ap.add_argument("--no-round-robin", action="store_true", help="skip the round-robin comparison")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--winograd", metavar="TILES", default="",
+    ap.add_argument("--winograd", metavar="TILES", type=parse_tiles, default=(),
                     help="also tune the Winograd form F(m x m, 3 x 3) of every eligible conv, for these tile "
                          "sizes (e.g. 4 or 2,4); each group runs its faster form")
     ap.add_argument("--records", metavar="DIR", help="keep the records in DIR/<network>/{warm-up,<strategy>} "

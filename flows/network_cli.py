@@ -13,7 +13,7 @@ from tensortune.tasks.extract import ExtractError, NetworkTasks, extract_tasks
 from tensortune.tasks.graph import Graph
 from tensortune.tasks.graph_ops import GraphError
 from tensortune.tasks.models import load_graph, network_names
-from tensortune.tasks.winograd import TILE_SIZES
+from tensortune.tasks.winograd import TILE_SIZES, parse_tiles
 
 if TYPE_CHECKING:
     from tensortune.storage.records import RecordStore
@@ -43,15 +43,10 @@ WinogradOption = Annotated[Optional[str], typer.Option(
 
 def winograd_tiles(text: str | None) -> tuple[int, ...]:
     """--winograd "2,4" -> (2, 4); None -> (); a bad value is a usage error."""
-    if not text:
-        return ()
     try:
-        tiles = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
-    except ValueError:
-        fail(f"--winograd takes tile sizes separated by commas (e.g. 2,4), got {text!r}", USAGE)
-    if not tiles or any(t not in TILE_SIZES for t in tiles):
-        fail(f"--winograd tile sizes must be among {', '.join(map(str, TILE_SIZES))}, got {text!r}", USAGE)
-    return tiles
+        return parse_tiles(text)
+    except ValueError as err:
+        fail(str(err), USAGE)
 
 
 def stored_winograd_tiles(store: RecordStore | None) -> tuple[int, ...]:

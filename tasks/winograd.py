@@ -208,6 +208,19 @@ def conv2d_winograd_nchw(data: Tensor, U: Tensor, padding=1, name: str = "conv2d
         k, b * (nh * nw) + y // m * nw + x // m, y % m, x % m], name=name)
 
 
+def parse_tiles(text: str | None) -> tuple[int, ...]:
+    """A `--winograd` value: "2,4" -> (2, 4), "" or None -> (); ValueError naming what is wrong."""
+    if not text:
+        return ()
+    try:
+        tiles = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
+    except ValueError:
+        raise ValueError(f"--winograd takes tile sizes separated by commas (e.g. 2,4), got {text!r}") from None
+    if not tiles or any(t not in TILE_SIZES for t in tiles):
+        raise ValueError(f"--winograd tile sizes must be among {', '.join(map(str, TILE_SIZES))}, got {text!r}")
+    return tiles
+
+
 def eligible(kernel_shape: tuple[int, ...], strides, dilations, groups: int) -> bool:
     """Whether a conv2d can take the Winograd form: 3x3, stride 1, dilation 1, groups 1."""
     return (len(kernel_shape) == 4 and tuple(kernel_shape[2:]) == (3, 3) and tuple(ops._pair(strides)) == (1, 1)
