@@ -219,13 +219,12 @@ class TaskScheduler:
             if best_flops > 0:       # FLOP-less tasks (BERT's transposes) have no throughput to compare
                 g_next2 = self.beta * self.tasks[i].flops / best_flops
         forms = self._form_of.get(i, ())
-        others = [costs[j] for j in forms if j != i and costs[j] < INF_COST and self.tasks[j].flops > 0]
-        if others and self.tasks[i].flops > 0:
+        form_throughputs = [self.tasks[j].flops / costs[j] for j in forms
+                            if j != i and costs[j] < INF_COST and self.tasks[j].flops > 0]
+        if form_throughputs and self.tasks[i].flops > 0:
             # the other forms of the group are "similar" too: the same output from fewer (Winograd) or more
             # FLOPs, so the same bound (beta x the cost at the best throughput they reach)
-            best_form = max(self.tasks[j].flops / costs[j] for j in forms if j != i and costs[j] < INF_COST
-                            and self.tasks[j].flops > 0)
-            g_next2 = min(g_next2, self.beta * self.tasks[i].flops / best_form)
+            g_next2 = min(g_next2, self.beta * self.tasks[i].flops / max(form_throughputs))
         forward = min(g_next1, g_next2) - costs[i]
         step = self.alpha * backward + (1 - self.alpha) * forward
         if i in self._form_of:
