@@ -64,9 +64,12 @@ def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[
     found it so counts as the first), and one slower than `cutoff_s` is not timed further (slow
     candidates should not cost the tuner seconds each).
 
-    With `flush_cache`, the cache is flushed before every timed run and a repeat is the mean of `number`
+    With `flush_cache`, the cache is flushed before every timed run and a repeat is the median of `number`
     cold runs (min_repeat_ms does not apply). TVM flushes once per repeat, so only the first of its
-    `number` runs is cold unless number=1, which its docs recommend; here every run is cold."""
+    `number` runs is cold unless number=1, which its docs recommend; here every run is cold. The median,
+    not the mean: a single run is short (a kernel of a network), so one preemption of one of its threads
+    (seen on a shared 2-vCPU VM: gaps of 3-12 ms every ~30 ms) turned a 0.25 ms kernel into a 4 ms mean,
+    and the network, timed as the median of its runs, never sees that."""
     if not warm:
         for _ in range(cfg.warmup):
             run_n(1)
@@ -78,7 +81,7 @@ def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[
             t0 = time.perf_counter()
             run_n(1)
             costs.append(time.perf_counter() - t0)
-        return [float(np.mean(costs[i:i + number])) for i in range(0, len(costs), number)]
+        return [float(np.median(costs[i:i + number])) for i in range(0, len(costs), number)]
     t0 = time.perf_counter()
     run_n(1)
     once = max(time.perf_counter() - t0, 1e-9)

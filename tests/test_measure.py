@@ -1,8 +1,11 @@
 """Builders and runners: errors come back as results, and the pool keeps measuring correctly after."""
 from __future__ import annotations
 
+import types
+
 import pytest
 
+from tensortune.codegen import timing
 from tensortune.codegen.artifact import Artifact
 from tensortune.codegen.llvm_backend import compile_ir
 from tensortune.codegen.measure import BuildResult, LocalBuilder, LocalRunner, ProgramMeasurer
@@ -193,6 +196,17 @@ def test_cache_flush_comes_before_every_timed_run():
                       flush=lambda: events.append(("flush",)), warm=True)
     assert len(costs) == 3
     assert events == [("flush",), ("run", 1)] * 6
+
+
+def test_a_cold_repeat_is_the_median_of_its_runs_so_one_preempted_run_does_not_count(monkeypatch):
+    clock = [0.0]
+    durations = iter([1e-3, 40e-3, 1e-3, 2e-3, 2e-3, 50e-3])     # seconds each cold run takes
+
+    def run(n: int) -> None:
+        clock[0] += next(durations)
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    costs = time_runs(run, TimingConfig(number=3, repeat=2, flush_cache=True), flush=lambda: None, warm=True)
+    assert costs == pytest.approx([1e-3, 2e-3])
 
 
 def test_a_runner_with_cache_flush_times_correct_kernels(task):
