@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from tensortune.bench.host_noise import describe, lost_cpu_fraction
+
 BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -327,6 +329,8 @@ def environment(threads: int | None = None, peak: bool = True) -> dict:
         "threads": threads,
         "blas": blas_info(),
     }
+    env["host_noise"] = {"start": lost_cpu_fraction(threads or 1)}
+    print(describe(env["host_noise"]["start"]), flush=True)
     if peak:
         env["fma_peak_gflops"] = {"1": measure_fma_peak(1)}
         if threads and threads != 1:
@@ -335,7 +339,11 @@ def environment(threads: int | None = None, peak: bool = True) -> dict:
 
 
 def write_json(path: str | None, rows: Sequence[dict], env: dict, **extra) -> None:
-    """One JSON document: {"environment": ..., **extra, "rows": [...]}."""
+    """One JSON document: {"environment": ..., **extra, "rows": [...]}. The host-noise probe runs again
+    first, so the file says how quiet the machine was at both ends of the run."""
+    if "host_noise" in env:
+        env["host_noise"]["end"] = end = lost_cpu_fraction(env["host_noise"]["start"]["threads"])
+        print(describe(end), flush=True)
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
