@@ -6,9 +6,10 @@ repeats of >= 200 ms, bench.common's protocol) and compares the fastest with Num
 CPU, timed in this process by bench.common.measure, in alternating pairs (bench.common.compare), and
 with the measured FMA peak. `--threads N` is every side's thread count: kernels tuned and run for
 `llvm -num-threads=N`, BLAS and PyTorch limited to N. Reports search and measurement time separately and
-the best-so-far curve; `--ablate` adds the random-model and no-crossover runs at equal trials and equal
-evolution generations; `--retime JSON` re-times the fastest programs a previous run wrote, without
-searching. `--target cuda` runs the GPU benchmark (bench/tune_cuda.py).
+the best-so-far curve and the cost model's held-out pairwise accuracy and recall@k; `--ablate` adds the
+random-model, no-crossover and ranking-objective runs at equal trials and equal evolution generations;
+`--retime JSON` re-times the fastest programs a previous run wrote, without searching. `--target cuda`
+runs the GPU benchmark (bench/tune_cuda.py).
 """
 from __future__ import annotations
 
@@ -213,6 +214,11 @@ def plot(curves: dict, path: str) -> None:
     print(f"wrote {path}")
 
 
+def _last_finite(values: list[float]) -> float | None:
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    return finite[-1] if finite else None
+
+
 def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
     """Each workload (and ablation run) searched with its own measurer, then re-timed."""
     from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
@@ -223,7 +229,8 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
     rows, curves = [], {}
     runs = [("xgb", 0.05, "xgb+crossover")]
     if args.ablate:
-        runs += [("random", 0.05, "random model"), ("xgb", 0.0, "no crossover")]   # same generations
+        # same generations; the ranking objective against the default pack-sum regression (issue 19)
+        runs += [("random", 0.05, "random model"), ("xgb", 0.0, "no crossover"), ("xgb-rank", 0.05, "rank model")]
     for key in args.workloads.split(","):
         for model, cross, label in runs:
             measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
@@ -238,6 +245,9 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
                          "trials": res.trials, "search_s": res.search_seconds, "measure_s": res.measure_seconds,
                          "wall_s": wall, "max_search_s_per_round": max(overhead) if overhead else 0.0,
                          "median_search_s_per_round": statistics.median(overhead) if overhead else 0.0,
+                         # the cost model's last held-out pairwise accuracy and recall@k on this task's history
+                         "model_pairwise_accuracy": _last_finite([x.model_accuracy for x in res.rounds]),
+                         "model_recall_at_k": _last_finite([x.model_recall for x in res.rounds]),
                          "fastest_seen": res.fastest,
                          "curve": [[t, g] for t, g in res.curve]})
             lib_ms = rows[-1][f"{rows[-1]['vs']}_ms"]
@@ -251,7 +261,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench tune")
     ap.add_argument("--trials", type=int, default=1000)
     ap.add_argument("--json", help="write the environment and the rows to this JSON file")
-    ap.add_argument("--ablate", action="store_true", help="also run the random model and no crossover")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also run the random model, no crossover and the ranking objective")
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     ap.add_argument("--threads", type=int, default=2, help="threads of every side (ours, BLAS, PyTorch)")
