@@ -21,6 +21,7 @@ from tensortune.search.cost_model import CostModel, RandomModel, XGBModel
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tensortune.search.task_scheduler import INF_COST, Objective, TaskScheduler, effective_costs
 from tensortune.storage.records import MeasureRecord, RecordStore
+from tensortune.storage.tasks import TaskStore
 from tensortune.tasks.extract import NetworkTasks, extract_tasks
 from tensortune.tasks.graph import Graph
 from tensortune.tasks.models import make_network
@@ -129,7 +130,20 @@ def learn(policy: SketchPolicy, batch: list[Candidate], results: list[MeasureRes
     if records is not None:
         records.append(to_records(policy.task, batch, results, round_=round_, flow_run_id=flow_run_id,
                                   network=network, model_version=policy.model.version, scores=scores))
+        remember_task(records, policy.task)
     policy.update(batch, [r.mean for r in results])
+
+
+_REMEMBERED: set[tuple[str, str]] = set()       # (store URL, workload key) this process has stored
+
+
+def remember_task(records: RecordStore, task: SearchTask) -> None:
+    """Store the task beside its records (storage.tasks), once: a model that trains on every record of
+    the target rebuilds the programs of other networks' tasks from it (flows.retrain, transfer)."""
+    key = (records.location.url, task.workload_key)
+    if key not in _REMEMBERED:
+        TaskStore(records.location.url).add(task.workload_key, task.to_json(), task.name, task.label)
+        _REMEMBERED.add(key)
 
 
 def round_log(policy: SketchPolicy, round_: int, batch: list[Candidate], results: list[MeasureResult],

@@ -4,7 +4,7 @@
     <root>/target=<uri-quoted target>/date=YYYY-MM-DD/compact-<uuid hex>.parquet   one compaction output
     <root>/target=.../date=.../.<name>.<rand>.tmp                                  a write in flight
     <root>/_compactions/<uuid hex>.json                                            a compaction journal
-    <root>/_models/..., <root>/_quarantine/...                                     not records
+    <root>/_models/..., <root>/_tasks/..., <root>/_quarantine/...                  not records
 
 Hive style, so `pandas.read_parquet(root)` and pyarrow read it as is (they skip names starting with '.' or
 '_', as we do). `date` is the UTC day the file was written. Targets are URI-quoted (pyarrow's hive
@@ -25,6 +25,7 @@ from tensortune.storage.filesystem import Location
 COMPACTIONS_DIR = "_compactions"
 QUARANTINE_DIR = "_quarantine"
 MODELS_DIR = "_models"
+TASKS_DIR = "_tasks"
 
 _DATA_NAME = re.compile(r"^(?P<kind>part|compact)-[0-9a-f]{32}\.parquet$")
 _TEMP_NAME = re.compile(r"^\.(part|compact)-[0-9a-f]{32}\.parquet\.[0-9a-f]{8}\.tmp$")
