@@ -1,16 +1,16 @@
 """Retraining the cost model from the stored history, as a step of its own (not inside every round).
 
-The record store is the single source of truth: a retrain reads the records of the network's tasks,
-trains the XGBoost pack-sum model, stores it as a new version with its metrics (storage.models), and
-swaps it into `NewestModel`, the model every search round predicts with. `update()` of NewestModel
-does nothing on purpose: new measurements reach the model through the store at the next retrain.
-The trainer keeps the features of records it has already read, so each retrain featurises only the
-records added since the last one.
+The record store is the single source of truth: a retrain reads the records of the network's tasks (with
+transfer, of every task of the target: see Trainer), trains the XGBoost pack-sum model, stores it as a new
+version with its metrics (storage.models), and swaps it into `NewestModel`, the model every search round
+predicts with. `update()` of NewestModel does nothing on purpose: new measurements reach the model
+through the store at the next retrain. The trainer keeps the features of records it has already read, so
+each retrain featurises only the records added since the last one.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -23,6 +23,7 @@ from tensortune.search.cost_model import CostModel, RandomModel, XGBModel
 from tensortune.search.feature_pool import Featurizer
 from tensortune.storage.models import ModelStore
 from tensortune.storage.records import RecordStore
+from tensortune.storage.tasks import TaskStore
 from tensortune.tasks.search_task import SearchTask
 
 MODEL_KIND = "xgb-packsum"
@@ -55,7 +56,7 @@ class RetrainReport:
     """What one retrain step did (also the table row of the flow's log)."""
     trained: bool
     version: str                     # the version rounds use after this step ("" = random)
-    record_count: int                # programs of this network's tasks in the history
+    record_count: int                # programs in the training history (every task's, with transfer)
     new_records: int                 # read since the last retrain
     reason: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -63,21 +64,50 @@ class RetrainReport:
 
 
 class Trainer:
-    """Collects the training data of a set of tasks on one target from the record store."""
+    """Collects the training data of a target from the record store.
+
+    transfer=False: the records of `tasks` only (the network being tuned). transfer=True (the flow's
+    default): every stored record of the target, of any network and any night, so a task never tuned
+    before is ranked by a model that has seen the others (Ansor's one model for all tasks; its pack-sum
+    features describe a program's buffer accesses, not which task it belongs to, and the throughputs are
+    normalised per task). A record of a task outside `tasks` is rebuilt from the task stored beside the
+    records (storage.tasks); one whose task was never stored (a store written before the task files) is
+    skipped and counted in `unknown`."""
 
     def __init__(self, tasks: Sequence[SearchTask], target: str, warmup: int = 100, seed: int = 0,
-                 features: Featurizer | None = None):
+                 features: Featurizer | None = None, transfer: bool = False):
         self.tasks = {t.workload_key: t for t in tasks}
-        self.target, self.warmup = target, warmup
+        self.target, self.warmup, self.transfer = target, warmup, transfer
         self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed, features=features)
         self.seen: set[tuple[str, str]] = set()
+        self.unknown: set[str] = set()             # workload keys with records but no stored task
+
+    def _task(self, key: str, records: RecordStore) -> SearchTask | None:
+        if key in self.tasks:
+            return self.tasks[key]
+        if not self.transfer or key in self.unknown:
+            return None
+        stored = TaskStore(records.location.url).descriptions()
+        like = next(iter(self.tasks.values()), None)
+        for k, text in stored.items():
+            if k not in self.tasks:
+                task = SearchTask.from_json(text)
+                # measured on this target: rebuilt for it (its hardware limits shape the features)
+                self.tasks[k] = replace(task, target=self.target, hardware=like.hardware) if like else task
+        if key not in self.tasks:
+            self.unknown.add(key)
+            return None
+        return self.tasks[key]
 
     def read_new(self, records: RecordStore) -> int:
         """Add the records not read before; returns how many programs were added."""
-        frame = records.training_frame(target=self.target, workload_keys=list(self.tasks))
+        keys = None if self.transfer else list(self.tasks)
+        frame = records.training_frame(target=self.target, workload_keys=keys)
         added = 0
         for key, rows in frame.groupby("workload_key", sort=False):
-            task = self.tasks[str(key)]
+            task = self._task(str(key), records)
+            if task is None:
+                continue
             cands, costs = [], []
             for steps, latency, code in zip(rows["steps"], rows["mean_latency"], rows["error_code"]):
                 if (key, steps) in self.seen:

@@ -64,7 +64,8 @@ class Session:
                                   network_name=network, scheduler_options=scheduler_options, resume=False,
                                   form_sets=self.form_sets)
         self.policies, self.sched = self.tuner.policies, self.tuner.sched
-        self.trainer = Trainer(tasks, self.target, warmup, seed, self.model.features)
+        # the model learns from every stored record of the target (other networks, earlier nights)
+        self.trainer = Trainer(tasks, self.target, warmup, seed, self.model.features, transfer=True)
         n = len(tasks)
         self.before = [math.inf] * n                 # best latency stored before this run
         self.default_latency = [math.nan] * n

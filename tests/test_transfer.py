@@ -1,0 +1,81 @@
+"""Transfer: the tuners store each task beside its records, and the flow's trainer learns from every
+stored record of the target, rebuilding other tasks' programs from those files (issue 19)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pandas as pd
+import pytest
+
+from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+from tensortune.codegen.target import make_task
+from tensortune.codegen.timing import TimingConfig
+from tensortune.flows.retrain import NewestModel, Trainer, retrain
+from tensortune.flows.tuning import tune_task
+from tensortune.search.sketch_policy import SearchParams
+from tensortune.storage.layout import TASKS_DIR
+from tensortune.storage.models import ModelStore
+from tensortune.storage.records import RecordStore
+from tensortune.storage.tasks import TaskStore
+from tensortune.tasks.search_task import SearchTask
+from tensortune.tasks.workload_registry import make_dag
+
+PARAMS = SearchParams(population=128, sample_init_population=128, num_iters=1, num_measures_per_round=12)
+TRIALS = 24
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """Two matmul tasks tuned into one store: `other` stands for another network's task."""
+    root = str(tmp_path_factory.mktemp("transfer") / "records")
+    store = RecordStore(root)
+    other, mine = make_task(make_dag("matmul", 64, 64, 64)), make_task(make_dag("matmul", 96, 96, 48))
+    m = ProgramMeasurer(LocalBuilder(), LocalRunner(config=TimingConfig(min_repeat_ms=5, repeat=1)))
+    try:
+        for i, task in enumerate((other, mine)):
+            tune_task(task, TRIALS, measurer=m, params=PARAMS, records=store, seed=i)
+    finally:
+        m.close()
+    return root, store, other, mine
+
+
+def test_the_tuner_stores_each_task_beside_its_records_once(tuned):
+    root, _, other, mine = tuned
+    stored = TaskStore(root).descriptions()
+    assert set(stored) == {other.workload_key, mine.workload_key}
+    assert SearchTask.from_json(stored[other.workload_key]).workload_key == other.workload_key
+    assert not TaskStore(root).add(other.workload_key, "something else")     # the first writer wins
+    assert SearchTask.from_json(TaskStore(root).descriptions()[other.workload_key]).workload_key == other.workload_key
+    # readers of the records see records only
+    assert len(pd.read_parquet(root)) == 2 * TRIALS
+
+
+def test_a_write_in_flight_is_never_read(tuned):
+    root = tuned[0]
+    folder = os.path.join(root, TASKS_DIR)
+    with open(os.path.join(folder, ".abc.json.1234abcd.tmp"), "w") as f:
+        f.write('{"workload_key": "ab')                          # a writer that died mid-write
+    assert len(TaskStore(root).descriptions()) == 2
+
+
+def test_with_transfer_the_trainer_learns_from_every_task_of_the_target(tuned):
+    root, store, other, mine = tuned
+    alone = Trainer([mine], mine.target, warmup=8, transfer=False)
+    assert alone.read_new(store) == TRIALS
+    both = Trainer([mine], mine.target, warmup=8, transfer=True)
+    assert both.read_new(store) == 2 * TRIALS
+    assert set(both.xgb.data) == {other.workload_key, mine.workload_key}
+    report = retrain(both, store, ModelStore(root), NewestModel())
+    assert report.trained and report.record_count == 2 * TRIALS
+    assert both.read_new(store) == 0                               # nothing read twice
+
+
+def test_records_of_a_task_never_stored_are_skipped_and_named(tuned, tmp_path):
+    root, store, other, mine = tuned
+    copy = tmp_path / "records"
+    shutil.copytree(root, copy)
+    os.remove(copy / TASKS_DIR / f"{other.workload_key}.json")     # a store written before task files
+    trainer = Trainer([mine], mine.target, warmup=8, transfer=True)
+    assert trainer.read_new(RecordStore(str(copy))) == TRIALS
+    assert trainer.unknown == {other.workload_key}
