@@ -170,7 +170,7 @@ def tvm_target(target: str, hardware: Sequence[int]) -> str:
     parts = shlex.split(target)
     opts = dict(p.lstrip("-").partition("=")[::2] for p in parts[1:])
     if parts[0] == "llvm":
-        out = ["llvm", "-keys=cpu"] + [f"-mcpu={opts['mcpu']}"] * ("mcpu" in opts)
+        out = ["llvm", "-keys=cpu"] + ([f"-mcpu={opts['mcpu']}"] if "mcpu" in opts else [])
         threads = opts.get("num-threads") or str(hardware[0])
         return " ".join(out + [f"-num-cores={threads}"])
     if parts[0] == "cuda":
@@ -197,7 +197,8 @@ def target_spec(tvm: TVMTask) -> tuple[str, bool]:
     if kind == "llvm":
         threads = opts.get("num-cores") or (str(tvm.hardware_params[0]) if tvm.hardware_params
                                             and tvm.hardware_params[0] > 0 else "")
-        spec = ["llvm"] + [f"-mcpu={opts['mcpu']}"] * ("mcpu" in opts) + [f"-num-threads={threads}"] * bool(threads)
+        spec = ["llvm"] + ([f"-mcpu={opts['mcpu']}"] if "mcpu" in opts else []) + \
+            ([f"-num-threads={threads}"] if threads else [])
         return " ".join(spec), "mcpu" in opts
     if kind == "cuda":
         return (f"cuda -arch={opts['arch']}", True) if "arch" in opts else ("cuda", False)
