@@ -100,7 +100,7 @@ def import_log(path: str, store: RecordStore, target: str | None = None) -> Summ
             if tkey not in targets:
                 targets[tkey] = _target(record.task, override)
             tt = targets[tkey]
-            steps = from_tvm(resolved.dag, record.steps).steps_json()
+            steps = from_tvm(resolved.dag, record.steps, resolved.tvm_dag).steps_json()
         except (TVMLogError, ValueError) as err:
             summary.skipped[f"{type(err).__name__}: {err}"] += 1
             continue
@@ -135,8 +135,8 @@ def export_log(store: RecordStore, out: str, workloads: Sequence[str] = ()) -> S
     for (key, target, name, label), group in frame.groupby(
             ["workload_key", "target", "task_name", "task_label"], sort=False):
         try:
-            args, dag = resolve_task(str(name), str(label), str(key))
-            tvm_key = to_tvm_key(str(name), args)
+            task_of = resolve_task(str(name), str(label), str(key))
+            tvm_key = to_tvm_key(str(name), task_of.args)
             resolved = parse_target(str(target))
         except (UnsharedWorkload, ValueError) as err:
             summary.skipped[f"task {label or name}: {err}"] += len(group)
@@ -145,7 +145,7 @@ def export_log(store: RecordStore, out: str, workloads: Sequence[str] = ()) -> S
         task = TVMTask(tvm_key, tvm_target(str(target), hardware), hardware)
         for record in frame_to_records(group):
             try:
-                steps = to_tvm(State.from_json(dag, record.steps))
+                steps = to_tvm(State.from_json(task_of.dag, record.steps), task_of.tvm_dag)
             except (IllegalStep, UnconvertibleSteps) as err:
                 summary.skipped[f"program of {label}: {err}"] += 1
                 continue

@@ -18,11 +18,12 @@ steps address stages and iterators by position. These do:
   (CO,) vector.
 
 Conditions: float32 only where TVM's function has no dtype; stride, padding and dilation equal in
-both dimensions (TVM's [1, 1] and 1 both read); padding at least 1, because topi's conv2d always
-makes a `pad_temp` stage (a plain copy when the padding is 0) and ours makes none then, so the stage
-numbers would differ. Export writes the first TVM name of each of ours (the te_workload names,
-`matmul_add`, and `conv2d_layer` for conv2d_relu with bias, as its tutorial spells stride and padding:
-[s, s]).
+both dimensions (TVM's [1, 1] and 1 both read). At padding 0 topi's conv2d still makes its `pad_temp`
+stage, a plain copy, where ours reads the data directly: `Resolved.tvm_dag` is then our DAG with that
+copy put back, so TVM's stage numbers can be computed, and schedule.tvm_steps drops TVM's inlining
+of it (and writes one for TVM). Export writes the first TVM name of each of ours (the te_workload
+names, `matmul_add`, and `conv2d_layer` for conv2d_relu with bias, as its tutorial spells stride and
+padding: [s, s]).
 
 TVM keys a task extracted from a Relay/Relax network by an MD5 hash of its own printed DAG
 (`["<hash>", shapes...]`), text tensortune cannot reproduce; such keys are not shared.
@@ -34,7 +35,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tensortune.tasks import te
 from tensortune.tasks.compute_dag import ComputeDAG
+from tensortune.tasks.te import Load, Tensor
 from tensortune.tasks.workload_registry import make_dag
 
 
@@ -89,9 +92,8 @@ def _same_pair(value: Any, what: str) -> int:
 
 def _padding(value: Any) -> int:
     pad = _same_pair(value, "padding")
-    if pad < 1:
-        raise UnsharedWorkload("padding 0: topi's conv2d still makes a pad_temp copy stage and tensortune's "
-                               "does not, so TVM's stage numbers do not fit")
+    if pad < 0:
+        raise UnsharedWorkload(f"padding {pad} is negative")
     return pad
 
 
@@ -193,15 +195,43 @@ EXPORTED = {w.name: w for w in SHARED if w.exported}
 
 @dataclass(frozen=True)
 class Resolved:
-    """A TVM workload key resolved to our workload: its name, arguments and DAG."""
+    """A TVM workload key resolved to our workload: its name, arguments and DAG, and the DAG as TVM's
+    function builds it where that has a stage ours lacks (else ours)."""
 
     shared: SharedWorkload
     args: Args
     dag: ComputeDAG
+    tvm_dag: ComputeDAG
 
     @property
     def name(self) -> str:
         return self.shared.name
+
+
+def with_copy_stage(dag: ComputeDAG, source: str, reader: str, name: str) -> ComputeDAG:
+    """`dag` with the plain copy stage TVM's graph has between `source` and its reader `reader` (topi's
+    pad at padding 0, named `name`), every later tensor rebuilt over it."""
+    src = dag.tensor(source)
+    copy = te.compute(src.shape, lambda *i: src[i], name=name)
+    remap: dict[Tensor, Tensor] = {}
+    for t in dag.tensors:
+        if t.body is None:
+            continue
+        targets = {src: copy} if t.name == reader else {}
+        targets.update(remap)
+        body = te.transform(t.body, lambda n: Load(targets[n.tensor], n.indices)
+                            if isinstance(n, Load) and n.tensor in targets else None)
+        if body is not t.body:
+            remap[t] = Tensor(t.name, t.shape, t.dtype, t.axes, body, t.attrs)
+    return ComputeDAG([remap.get(a, a) for a in dag.args], name=dag.name)
+
+
+def tvm_form(name: str, args: Args, dag: ComputeDAG) -> ComputeDAG:
+    """The DAG of our workload `name(**args)` as TVM's shared function builds it (stage for stage)."""
+    if name in ("conv2d", "conv2d_relu") and args["padding"] == 0:
+        conv = next(t for t in dag.tensors if t.name.startswith("conv2d_nchw"))
+        return with_copy_stage(dag, dag.inputs[0].name, conv.name, "pad_temp")
+    return dag
 
 
 def tvm_key(name: str, args: list) -> str:
@@ -230,7 +260,7 @@ def from_tvm_key(key: str) -> Resolved:
         dag = make_dag(shared.name, **ours)
     except (TypeError, ValueError) as err:
         raise UnsharedWorkload(f"{name}{args}: {err}") from None
-    return Resolved(shared, ours, dag)
+    return Resolved(shared, ours, dag, tvm_form(shared.name, ours, dag))
 
 
 def to_tvm_key(name: str, args: Args) -> str:
@@ -264,7 +294,7 @@ def _conv_candidates(shapes: list[tuple[int, ...]]) -> list[Args]:
     found = []
     for dilation in (1, 2, 3):
         for stride in range(1, max(kh, kw, 2) + 3):
-            for pad in range(1, max(kh, kw) + 1):
+            for pad in range(0, max(kh, kw) + 1):
                 if (h + 2 * pad - dilation * (kh - 1) - 1) // stride + 1 == oh and \
                         (w + 2 * pad - dilation * (kw - 1) - 1) // stride + 1 == ow:
                     found.append({"N": n, "H": h, "W": w, "CI": ci, "CO": co, "KH": kh, "KW": kw,
@@ -295,9 +325,9 @@ def candidates(name: str, signature: str) -> list[Args]:
     return []
 
 
-def resolve_task(name: str, label: str, workload_key: str) -> tuple[Args, ComputeDAG]:
-    """The arguments and DAG of a stored task of our workload `name` whose label reads `label` and whose
-    key is `workload_key` (the key, a hash of the DAG, confirms the arguments)."""
+def resolve_task(name: str, label: str, workload_key: str) -> Resolved:
+    """Our workload `name` with the arguments of a stored task whose label reads `label` and whose key is
+    `workload_key` (the key, a hash of the DAG, confirms the arguments)."""
     if name not in EXPORTED:
         raise UnsharedWorkload(f"tasks of {name or 'unnamed workloads'} have no TVM counterpart; shared: "
                                f"{', '.join(sorted(EXPORTED))}")
@@ -308,6 +338,6 @@ def resolve_task(name: str, label: str, workload_key: str) -> tuple[Args, Comput
         except (TypeError, ValueError):
             continue
         if dag.workload_key == workload_key:
-            return args, dag
+            return Resolved(EXPORTED[name], args, dag, tvm_form(name, args, dag))
     raise UnsharedWorkload(f"no arguments of {name} give workload key {workload_key} (label {label!r}; a record "
                            "written before labels were stored, or a shape the TVM workload cannot take)")
