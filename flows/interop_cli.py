@@ -16,6 +16,8 @@ from tensortune.storage.records import DEFAULT_ROOT
 if TYPE_CHECKING:
     from tensortune.flows.tvm_interop import Summary
 
+SHOWN_REASONS = 10     # a real log can fail in as many ways as it has programs: the commonest, then a count
+
 
 def _report(console: Console, summary: "Summary", verb: str) -> None:
     for task, n in sorted(summary.tasks.items()):
@@ -24,8 +26,11 @@ def _report(console: Console, summary: "Summary", verb: str) -> None:
         console.print(f"{summary.already} program(s) already in the store, not added again", highlight=False)
     if summary.skipped:
         console.print(f"skipped {sum(summary.skipped.values())} record(s) that {verb}:", highlight=False)
-        for reason, n in summary.skipped.most_common():
+        for reason, n in summary.skipped.most_common(SHOWN_REASONS):
             console.print(f"  {n:6d}  {reason}", highlight=False, soft_wrap=True)
+        rest = summary.skipped.most_common()[SHOWN_REASONS:]
+        if rest:
+            console.print(f"  {sum(n for _, n in rest):6d}  for {len(rest)} other reasons", highlight=False)
 
 
 @app.command("export-tvm")
@@ -87,5 +92,7 @@ def import_tvm(log: Annotated[str, typer.Argument(help="A TVM auto_scheduler log
         fail(str(err))
     console = Console()
     _report(console, summary, "have no tensortune form")
+    if not summary.done and not summary.already:
+        fail(f"no record of {log} has a tensortune counterpart; nothing imported")
     console.print(f"imported {summary.done} record(s) of {len(summary.tasks)} task(s) into {records}",
                   highlight=False)

@@ -66,10 +66,13 @@ def check_log(path: str) -> list[tuple[int, TVMRecord]]:
 
 
 def _target(task: TVMTask, override: Target | None) -> Target:
-    if override is not None:
-        return override
     spec, _ = target_spec(task)
-    return parse_target(spec)
+    if override is None:
+        return parse_target(spec)
+    if spec.split()[0] != override.kind:
+        raise ValueError(f"a {spec.split()[0]} program cannot be stored under the {override.kind} target "
+                         f"{override}")
+    return override
 
 
 def import_log(path: str, store: RecordStore, target: str | None = None) -> Summary:
