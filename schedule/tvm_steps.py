@@ -116,7 +116,7 @@ class _StageMap:
     insert stages."""
 
     def __init__(self, dag: ComputeDAG, tvm_dag: ComputeDAG | None = None):
-        tvm_dag = tvm_dag or dag
+        tvm_dag = tvm_dag if tvm_dag is not None else dag
         ours = {t.name: i for i, t in enumerate(dag.tensors)}
         self.names = [tvm_dag.tensors[i].name for i in tvm_stage_order(tvm_dag)]
         self.tvm_to_ours: list[int | None] = [ours.get(n) for n in self.names]
