@@ -134,6 +134,10 @@ def export_log(store: RecordStore, out: str, workloads: Sequence[str] = ()) -> S
     names = list(workloads) or sorted(EXPORTED)
     frame = store.read(task_name=names)
     summary = Summary()
+    if not workloads:
+        others = store.read(columns=["task_name"])["task_name"].value_counts()
+        for name, n in others[~others.index.isin(names)].items():
+            summary.skipped[f"tasks of {name or 'unnamed workloads'}: no TVM workload is shared for it"] += int(n)
     lines: list[str] = []
     for (key, target, name, label), group in frame.groupby(
             ["workload_key", "target", "task_name", "task_label"], sort=False):
