@@ -55,6 +55,7 @@ from tensortune.tasks.te import Tensor
 TVM_ANNOTATIONS = ("none", "unroll", "vectorize", "parallel", "vthread", "blockIdx.x", "threadIdx.x",
                    "blockIdx.y", "threadIdx.y", "blockIdx.z", "threadIdx.z", "tensorize")
 assert sorted(TVM_ANNOTATIONS) == sorted(ANNOTATIONS)
+TVM_PRAGMAS = ("auto_unroll_max_step", "debug_skip_region")    # what PragmaStep::ApplyToState accepts
 
 
 class UnconvertibleSteps(ValueError):
@@ -280,6 +281,9 @@ def to_tvm(state: State, tvm_dag: ComputeDAG | None = None) -> list[list]:
     for step in state.steps:
         if isinstance(step, SplitStep) and any(length is None for length in step.lengths):
             raise UnconvertibleSteps(f"{step.to_json()}: TVM records only concrete split lengths")
+        if isinstance(step, PragmaStep) and step.parsed()[0] not in TVM_PRAGMAS:
+            raise UnconvertibleSteps(f"{step.to_json()}: TVM's loop state takes only the pragmas "
+                                     f"{', '.join(TVM_PRAGMAS)}")
         item = _step_to_tvm(step, stages, shift)
         if item[0] == "SP" and replay.stages[step.to_json()[1]].compute_at == "iter":
             item[3] = 0
