@@ -21,13 +21,14 @@ SHOWN_REASONS = 10     # a real log can fail in as many ways as it has programs:
 
 def _report(console: Console, summary: "Summary", verb: str) -> None:
     for task, n in sorted(summary.tasks.items()):
-        console.print(f"  {n:6d}  {task}", highlight=False, soft_wrap=True)
+        console.print(f"  {n:6d}  {task}", highlight=False, soft_wrap=True, markup=False)
     if summary.already:
-        console.print(f"{summary.already} program(s) already in the store, not added again", highlight=False)
+        console.print(f"{summary.already} program(s) already in the store, not added again", highlight=False,
+                      markup=False)
     if summary.skipped:
         console.print(f"skipped {sum(summary.skipped.values())} record(s) that {verb}:", highlight=False)
         for reason, n in summary.skipped.most_common(SHOWN_REASONS):
-            console.print(f"  {n:6d}  {reason}", highlight=False, soft_wrap=True)
+            console.print(f"  {n:6d}  {reason}", highlight=False, soft_wrap=True, markup=False)
         rest = summary.skipped.most_common()[SHOWN_REASONS:]
         if rest:
             console.print(f"  {sum(n for _, n in rest):6d}  for {len(rest)} other reasons", highlight=False)
