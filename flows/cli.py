@@ -5,7 +5,15 @@ this file the single entry point (and `flows.cli.app` the app with every command
 """
 from __future__ import annotations
 
-from tensortune.flows import compile_cli, deploy_cli, flow_cli, history_cli, network_cli, tune_cli  # noqa: F401 - each adds its commands
+from tensortune.flows import (  # noqa: F401 - each adds its commands
+    compile_cli,
+    deploy_cli,
+    flow_cli,
+    history_cli,
+    interop_cli,
+    network_cli,
+    tune_cli,
+)
 from tensortune.flows.cli_app import app
 
 

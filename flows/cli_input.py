@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 USAGE = 2
 FAILED = 1
@@ -26,8 +27,10 @@ MODELS = ("xgb", "xgb-rank", "random")
 
 
 def fail(message: str, code: int = FAILED) -> NoReturn:
-    """Print `error: message` on stderr and exit with `code`."""
-    Console(stderr=True).print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
+    """Print `error: message` on stderr and exit with `code` (the message as text: one that quotes a
+    list, `[workload_key, target]`, must not lose it to rich's markup)."""
+    Console(stderr=True).print(f"[red]error:[/red] {escape(message)}", markup=True, highlight=False,
+                               soft_wrap=True)
     raise typer.Exit(code=code)
 
 

@@ -59,6 +59,16 @@ def matmul_bias_relu(N: int = 1024, M: int = 1024, K: int = 1024, dtype: str = "
     return [a, b, bias, ops.relu(ops.bias_add(c, bias, axis=1))]
 
 
+@workload("matmul_add")
+def matmul_add(N: int = 1024, M: int = 1024, K: int = 1024, dtype: str = "float32"):
+    """A @ B + C: the workload of TVM's auto-scheduler tutorial (its `matmul_add(N, L, M)` with L = K),
+    so a schedule from its log has a task here (tasks.tvm_workloads)."""
+    a = te.placeholder((N, K), dtype, "A")
+    b = te.placeholder((K, M), dtype, "B")
+    c = te.placeholder((N, M), dtype, "C")
+    return [a, b, c, ops.add(ops.matmul(a, b), c, name="out")]
+
+
 @workload("dense")
 def dense(batch: int = 1, in_features: int = 512, out_features: int = 1000, bias: bool = True,
           relu: bool = False, dtype: str = "float32"):
