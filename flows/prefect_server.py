@@ -180,12 +180,16 @@ def start_server(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, timeout: fl
                "--host", host, "--port", str(port)]
     with open(log_path, "ab") as log:
         # a session of its own: Ctrl-C of the tuning run does not reach the server it leaves running
-        cli = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env=child_env, start_new_session=True, timeout=timeout)
+        try:
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env=child_env, start_new_session=True, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = None
     pid = _read_pid(home / SERVER_PID_FILE)
-    if cli.returncode != 0 or pid is None:
-        raise PrefectServerError(f"`prefect server start --background --port {port}` failed (exit code "
-                                 f"{cli.returncode}); its log ({log_path}) ends with:\n{_tail(log_path)}")
+    if code != 0 or pid is None:
+        raise PrefectServerError(f"`prefect server start --background --port {port}` failed ("
+                                 + (f"exit code {code}" if code is not None else f"no answer in {timeout:.0f} s")
+                                 + f"); its log ({log_path}) ends with:\n{_tail(log_path)}")
     server = PrefectServer(api_url, pid, log_path, str(home))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -344,6 +344,19 @@ def test_tensortune_reuses_a_healthy_server_and_names_a_live_background_one(loca
         _clear_stale_pid_file(Path(local_server.home), port + 1)
 
 
+def test_a_server_that_cannot_start_is_one_error_quoting_its_log(tmp_path):
+    """`prefect server start --background` refusing (its port is taken) is a PrefectServerError that
+    quotes the end of the log, where Prefect said why; no pid file is left behind."""
+    from tensortune.flows.prefect_server import SERVER_PID_FILE, PrefectServerError, start_server
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PrefectServerError, match=rf"(?s)--port {port}` failed \(exit code 1\).*already in use"):
+            start_server(port=port, env={"PREFECT_HOME": str(tmp_path)}, timeout=60)
+    assert not (tmp_path / SERVER_PID_FILE).exists()
+
+
 def test_stopping_the_local_server_uses_prefect_server_stop(local_server):
     """Last in this module: the server stops, its pid file is gone (Prefect's `server stop` removes it),
     and the port answers no more."""
