@@ -386,7 +386,7 @@ def test_a_local_cluster_with_a_gpu_nodes_options_gives_each_worker_its_own_gpu(
     for _ in range(2):
         with LocalCluster(n_workers=node.nworkers, threads_per_worker=node.nthreads, processes=True,
                           resources=node.resource_amounts(), preload_nanny=list(node.preload_nanny),
-                          dashboard_address=None, host="127.0.0.1") as cluster, Client(cluster) as client:
+                          dashboard_address="127.0.0.1:0", host="127.0.0.1") as cluster, Client(cluster) as client:
             seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
             assert sorted(seen.values()) == ["2", "7"]
             assert len(workers_with(client, GPU_RESOURCE)) == 2
