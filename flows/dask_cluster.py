@@ -5,17 +5,27 @@ docs/architecture.md §7). Workers advertise resources: `measure-cpu=1` on CPU m
 at a time per node) and `GPU=1` on GPU nodes; a task's measurements only go to workers holding its
 resource, so a cluster without one is an error named before any work is submitted. CUDA builds need
 nvcc, so they go only to workers advertising `nvcc=N` (N builds at once; GPU images have it).
+
+How a node's workers start (deploy/README.md; the jobqueue and Kubernetes specs in deploy/ follow these):
+a CPU measure node runs one worker with all its cores (`cpu_measure_node`: two timings on one machine
+disturb each other); a GPU node runs one worker per GPU, each seeing only its own GPU through
+CUDA_VISIBLE_DEVICES (`gpu_node`). That is one `dask worker --nworkers <GPUs>` with this module as its
+nanny preload: before a nanny starts its worker process, `dask_setup` gives that worker one of the
+node's GPUs that no other nanny of the process holds.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 import dask
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Nanny
 
 from tensortune.flows.cluster_security import client_security
 
@@ -27,6 +37,8 @@ NVCC_RESOURCE = "nvcc"
 # Dask's statistical profiler samples every worker thread's stack every 10 ms. A measure node's cores
 # belong to the kernel being timed, so its workers run without it (deploy/ sets the same variable).
 WORKER_CONFIG = {"distributed.worker.profile.enabled": False}
+GPU_PRELOAD = "tensortune.flows.dask_cluster"   # `--preload-nanny` of GPU nodes' workers: one GPU each
+CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 class ClusterError(RuntimeError):
@@ -50,6 +62,89 @@ def local_resources(target_kind: str = "llvm") -> dict[str, float]:
         res[GPU_RESOURCE] = 1.0
         res[NVCC_RESOURCE] = float(os.cpu_count() or 1)
     return res
+
+
+@dataclass(frozen=True)
+class NodeWorkers:
+    """How one node's Dask workers start: how many, with how many threads and which resources each, and
+    the nanny preloads they need. `args()` are the `dask worker` options; `extra_args()` leave out the
+    counts, for launchers that write those themselves (dask-jobqueue's `processes` and `cores`)."""
+    nworkers: int
+    nthreads: int
+    resources: str
+    preload_nanny: tuple[str, ...] = ()
+
+    def extra_args(self) -> list[str]:
+        args = ["--resources", self.resources]
+        for module in self.preload_nanny:
+            args += ["--preload-nanny", module]
+        return args
+
+    def args(self) -> list[str]:
+        return ["--nworkers", str(self.nworkers), "--nthreads", str(self.nthreads), *self.extra_args()]
+
+    def resource_amounts(self) -> dict[str, float]:
+        """The resources as a LocalCluster takes them ({"GPU": 1.0, "nvcc": 8.0})."""
+        return {name: float(amount) for name, amount in (r.split("=") for r in self.resources.split(","))}
+
+
+def cpu_measure_node(cores: int) -> NodeWorkers:
+    """A CPU measure node: one worker (two timings on one machine disturb each other), all cores for
+    builds, one timing at a time."""
+    return NodeWorkers(1, max(1, cores), f"{CPU_RESOURCE}=1")
+
+
+def gpu_node(gpus: int, cores: int) -> NodeWorkers:
+    """A node with `gpus` GPUs: one worker per GPU (GPU=1: one timing at a time on it), the cores shared
+    out for builds (nvcc=N: N CUDA builds at once each), and the nanny preload that gives each worker
+    its own GPU (`dask_setup`)."""
+    if gpus < 1:
+        raise ValueError(f"a GPU node needs at least one GPU, got {gpus}")
+    share = max(1, cores // gpus)
+    return NodeWorkers(gpus, share, f"{GPU_RESOURCE}=1,{NVCC_RESOURCE}={share}", (GPU_PRELOAD,))
+
+
+def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The GPUs this node gives its workers: CUDA_VISIBLE_DEVICES where it is set (a batch system's
+    allocation, or the operator's choice), else every GPU `nvidia-smi -L` lists, else none."""
+    given = environ.get(CUDA_DEVICES_ENV)
+    if given is not None:
+        return [d.strip() for d in given.split(",") if d.strip()]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, _ in enumerate(row for row in out.splitlines() if row.startswith("GPU "))]
+
+
+_GPU_HELD: dict[int, str] = {}          # id(nanny) -> the GPU its worker was given, in this process
+
+
+def dask_setup(nanny: Nanny) -> None:
+    """Nanny preload (`dask worker ... --nworkers <GPUs> --preload-nanny tensortune.flows.dask_cluster`):
+    the worker this nanny is about to start sees one GPU of the node, the first that no other nanny of
+    this process holds. The nannies of one `dask worker` command start in one process, so N workers get
+    N different GPUs; the worker a nanny restarts keeps its GPU. More workers than GPUs is an error."""
+    if not isinstance(nanny, Nanny):
+        raise ClusterError(f"{GPU_PRELOAD} gives each worker a GPU before its process starts: pass it as "
+                           f"--preload-nanny, not --preload")
+    gpus = visible_gpus()
+    held = set(_GPU_HELD.values())
+    free = [g for g in gpus if g not in held]
+    if not free:
+        raise ClusterError(f"no GPU left for worker {nanny.name!r}: this node gives {len(gpus)} GPU(s) "
+                           f"({', '.join(gpus) or 'none found'}) and its other workers hold {len(held)}; start one "
+                           f"worker per GPU (`--nworkers {len(gpus)}`)")
+    _GPU_HELD[id(nanny)] = free[0]
+    nanny.env[CUDA_DEVICES_ENV] = free[0]
+
+
+def dask_teardown(nanny: Nanny) -> None:
+    """The nanny closed: its GPU is free for another."""
+    _GPU_HELD.pop(id(nanny), None)
 
 
 def resolve_address(address: str | None) -> str | None:

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
+from pydantic import BaseModel, ConfigDict, Field
 
 from tensortune.codegen.measure import Measurer
 from tensortune.codegen.target import parse_target
@@ -43,6 +44,64 @@ from tensortune.tasks.search_task import SearchTask
 
 # task runs pass live objects: never hash or store them
 _STEP: dict[str, Any] = dict(cache_policy=NONE, persist_result=False)
+
+
+# ------------------------------------------------------------------ typed flow parameters
+
+class SearchOptions(BaseModel):
+    """The evolutionary search's settings a run may change (search.params.SearchParams' fields; the
+    measurements per round are the flow's `per_round`). A field left out keeps SearchParams' default,
+    which is written there only. Typed, so a deployment's parameters are checked, and shown as a form,
+    by Prefect; an unknown field is an error, not ignored."""
+    model_config = ConfigDict(extra="forbid")
+
+    population: int | None = Field(None, ge=1)
+    num_iters: int | None = Field(None, ge=0)
+    mutation_prob: float | None = Field(None, ge=0, le=1)
+    crossover_prob: float | None = Field(None, ge=0, le=1)
+    eps_greedy: float | None = Field(None, ge=0, le=1)
+    sample_init_population: int | None = Field(None, ge=1)
+    sample_init_use_measured_ratio: float | None = Field(None, ge=0, le=1)
+    max_innermost_split_factor: int | None = Field(None, ge=1)
+    max_vectorize_size: int | None = Field(None, ge=1)
+    disable_change_compute_location: bool | None = None
+    disable_cpu_packing: bool | None = None
+    cpu_multi_level_tiling_structure: str | None = None
+    gpu_multi_level_tiling_structure: str | None = None
+    mutation_weights: dict[str, float] | None = None
+
+    def params(self, per_round: int) -> SearchParams:
+        return SearchParams(**self.model_dump(exclude_none=True), num_measures_per_round=per_round)
+
+
+class TimingOptions(BaseModel):
+    """How candidates are timed (codegen.timing.TimingConfig's fields over the network-tuning defaults,
+    NETWORK_TIMING) and how long a build or a timing may take; a field left out keeps its default."""
+    model_config = ConfigDict(extra="forbid")
+
+    number: int | None = Field(None, ge=1)
+    repeat: int | None = Field(None, ge=1)
+    min_repeat_ms: float | None = Field(None, ge=0)
+    flush_cache: bool | None = None
+    check_correctness: bool | None = None
+    warmup: int | None = Field(None, ge=0)
+    slow_factor: float | None = Field(None, ge=0)
+    build_timeout: float = Field(15.0, gt=0, description="seconds one candidate's build may take")
+    run_timeout: float = Field(10.0, gt=0, description="seconds one candidate's timing may take")
+
+    def config(self) -> TimingConfig:
+        fields = self.model_dump(exclude_none=True, exclude={"build_timeout", "run_timeout"})
+        return TimingConfig(**{**asdict(NETWORK_TIMING), **fields})
+
+
+def search_options(search: SearchOptions | dict[str, Any] | None) -> SearchOptions:
+    """The flow's `search` parameter as given by any caller: the model, a plain dict, or nothing."""
+    return search if isinstance(search, SearchOptions) else SearchOptions.model_validate(search or {})
+
+
+def timing_options(timing: TimingOptions | dict[str, Any] | None) -> TimingOptions:
+    """The flow's `timing` parameter as given by any caller: the model, a plain dict, or nothing."""
+    return timing if isinstance(timing, TimingOptions) else TimingOptions.model_validate(timing or {})
 
 
 class Session:
@@ -211,7 +270,7 @@ def measure_batch(s: Session, i: int, batch: Proposal, label: str) -> dict[str, 
 
 def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: str, measurer,
                per_round: int = 64, retrain_every: int = 1, model_warmup: int = 100, strategy: str = "gradient",
-               seed: int = 0, search: dict | None = None, flow_run_id: str = "",
+               seed: int = 0, search: SearchOptions | dict[str, Any] | None = None, flow_run_id: str = "",
                latency_target_ms: float | None = None, early_stopping_task: int | None = None,
                objective: str | None = None, reference_ms: float | None = None,
                form_sets: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
@@ -230,7 +289,7 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
         raise ValueError(f"retrain_every must be at least 1 round, got {retrain_every}")
     if latency_target_ms is not None and latency_target_ms <= 0:
         raise ValueError(f"latency_target_ms must be positive, got {latency_target_ms}")
-    params = SearchParams(**{**(search or {}), "num_measures_per_round": per_round})
+    params = search_options(search).params(per_round)
     store = RecordStore(records)
     if objective is None:
         objective = "f2" if latency_target_ms is not None else "f1"
@@ -322,14 +381,12 @@ def measure_target(client, target: str) -> MeasureTarget:
     return resolved
 
 
-def _measurer(client, timing: dict | None, workers: tuple[str, ...] = ()) -> DaskMeasurer:
-    options = dict(timing or {})
-    build_timeout = float(options.pop("build_timeout", 15.0))
-    run_timeout = float(options.pop("run_timeout", 10.0))
+def _measurer(client, timing: TimingOptions | dict[str, Any] | None,
+              workers: tuple[str, ...] = ()) -> DaskMeasurer:
     # network tuning times kernels as the network runs them: caches flushed (codegen.timing.NETWORK_TIMING)
-    timing_config = TimingConfig(**{**asdict(NETWORK_TIMING), **options})
-    return DaskMeasurer(client, timing=timing_config, build_timeout=build_timeout,
-                        run_timeout=run_timeout, workers=workers)
+    options = timing_options(timing)
+    return DaskMeasurer(client, timing=options.config(), build_timeout=options.build_timeout,
+                        run_timeout=options.run_timeout, workers=workers)
 
 
 def _run_name() -> str:
@@ -350,8 +407,9 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                       records: str = DEFAULT_ROOT, cluster: str | None = None, batch: int | None = None,
                       image_size: int | None = None, seq_len: int | None = None, layers: int | None = None,
                       input_shapes: list[str] | None = None, per_round: int = 64, retrain_every: int = 1,
-                      model_warmup: int = 100, strategy: str = "gradient", seed: int = 0, search: dict | None = None,
-                      timing: dict | None = None, local_workers: int = 1, latency_target_ms: float | None = None,
+                      model_warmup: int = 100, strategy: str = "gradient", seed: int = 0,
+                      search: SearchOptions | None = None, timing: TimingOptions | None = None,
+                      local_workers: int = 1, latency_target_ms: float | None = None,
                       early_stopping_task: int | None = None, time_network: bool = True,
                       objective: str | None = None, reference_ms: float | None = None,
                       winograd_tiles: list[int] | None = None) -> dict[str, Any]:
@@ -361,8 +419,10 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
     network: a built-in network name or an .onnx path (input_shapes: NAME=D0,D1,... for its symbolic
     dimensions); records: folder or URL of the record store; cluster: tcp://HOST:8786 of a Dask
     scheduler (default: $TENSORTUNE_CLUSTER, the Prefect Variable tensortune_cluster, else a
-    LocalCluster of `local_workers` workers); search: SearchParams fields; timing: TimingConfig fields
-    plus build_timeout/run_timeout seconds; latency_target_ms: stop once the estimated latency meets it;
+    LocalCluster of `local_workers` workers); search: SearchOptions (SearchParams fields; a dict of them
+    is taken too, as Prefect turns a run's JSON parameters into the model); timing: TimingOptions
+    (TimingConfig fields plus build_timeout/run_timeout seconds); latency_target_ms: stop once the
+    estimated latency meets it;
     early_stopping_task: trials without improvement after which a task gets no more; objective: f1, f2
     or f3 (see tune_tasks; f3 needs reference_ms, the latency to beat); winograd_tiles: also tune the
     Winograd form F(m x m, 3 x 3) of every eligible conv for these m (2, 4), the faster form is built.
@@ -396,8 +456,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
 @flow(name="tune-op", flow_run_name=_run_name, persist_result=False)
 def tune_op_flow(workload: str, args: list[Any], trials: int = 64, target: str = "llvm",
                  records: str = DEFAULT_ROOT, cluster: str | None = None, per_round: int = 64,
-                 retrain_every: int = 1, model_warmup: int = 100, seed: int = 0, search: dict | None = None,
-                 timing: dict | None = None, local_workers: int = 1) -> dict[str, Any]:
+                 retrain_every: int = 1, model_warmup: int = 100, seed: int = 0, search: SearchOptions | None = None,
+                 timing: TimingOptions | None = None, local_workers: int = 1) -> dict[str, Any]:
     """One operator (a registered workload with its arguments) tuned through the same rounds."""
     from tensortune.codegen.target import make_task
     from tensortune.tasks.workload_registry import make_dag

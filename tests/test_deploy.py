@@ -1,7 +1,12 @@
-"""deploy/: the nightly deployment is valid for Prefect and its cron schedule is what it says; the Dask
+"""deploy/: the deployments are valid for Prefect, their cron schedule is what it says, every one has a
+time limit, one run at a time and typed parameters the server checks, and the failed-nightly automation
+matches the states a failed run ends in, a timed-out one included (a real run past its limit); the Dask
 cluster specs of the compose file start a real TLS scheduler, CPU measure worker and GPU worker that
 advertise their resources and measure a batch, and refuse a client without the cluster's certificate;
-nothing the compose file publishes listens beyond 127.0.0.1 or without credentials."""
+nothing the compose file publishes listens beyond 127.0.0.1 or without credentials. And the local
+Prefect server `tensortune tune` starts: Prefect's own `server start --background`, with the services a
+local run never uses off in the running server, its stale pid file cleared, stopped by `server stop`.
+(deploy/'s jobqueue and Kubernetes specs: tests/test_cluster_specs.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -40,36 +45,112 @@ def test_prefect_yaml_is_valid_and_its_entrypoints_and_parameters_load():
         assert d.work_pool.name == "tensortune"
 
 
+def _flows() -> dict[str, object]:
+    """Each deployment's flow, loaded from its entrypoint as `prefect deploy` and a worker load it."""
+    from prefect.flows import load_flow_from_entrypoint
+    return {d["name"]: load_flow_from_entrypoint(str(ROOT / d["entrypoint"]))
+            for d in load("prefect.yaml")["deployments"]}
+
+
 def test_every_deployment_queues_its_runs_and_pulls_the_checkout():
-    """Every deployment measures, so each allows one run at a time; the pull step puts the worker in the
-    checkout ($TENSORTUNE_HOME, set by the Docker image) where its flows/ entrypoint lives."""
+    """Every deployment measures, so each allows one run at a time (a second waits: ENQUEUE) and has
+    the server check its parameters; the pull step puts the worker in the checkout ($TENSORTUNE_HOME,
+    set by the Docker image) where its entrypoint lives."""
+    from prefect.cli.deploy._models import ConcurrencyLimitSpec
     raw = load("prefect.yaml")
-    assert all(d["concurrency_limit"] == 1 for d in raw["deployments"])
+    for d in raw["deployments"]:
+        limit = ConcurrencyLimitSpec.model_validate(d["concurrency_limit"])
+        assert (limit.limit, limit.collision_strategy) == (1, "ENQUEUE"), d["name"]
+        assert d["enforce_parameter_schema"] is True and d["work_pool"]["name"] == "tensortune"
+    assert "set-concurrency-limit tensortune 1" in (DEPLOY / "prefect.yaml").read_text()   # across deployments
     (step,) = raw["pull"]
     assert step["prefect.deployments.steps.set_working_directory"]["directory"] == "{{ $TENSORTUNE_HOME }}"
     assert "ENV TENSORTUNE_HOME=/app" in (DEPLOY / "Dockerfile").read_text()
 
 
+def test_every_deployment_has_a_time_limit_the_command_line_does_not():
+    """A deployment's runs hold the measure nodes one at a time, so each has a time limit; the nightly
+    one ends before the next night's run is due. `tensortune tune` calls the flow itself: no limit."""
+    from prefect.server.schemas.schedules import CronSchedule
+
+    from tensortune.flows.tune_flow import tune_network_flow
+    flows = _flows()
+    assert all(f.name == "tune-network" and f.timeout_seconds for f in flows.values())
+    (nightly,) = [d for d in load("prefect.yaml")["deployments"] if d["name"] == "nightly"]
+    (spec,) = nightly["schedules"]
+    start = datetime(2026, 3, 28, 12, 0, tzinfo=timezone.utc)
+    first, second = asyncio.run(CronSchedule(cron=spec["cron"], timezone=spec["timezone"]).get_dates(n=2, start=start))
+    assert flows["nightly"].timeout_seconds < (second - first).total_seconds()
+    assert tune_network_flow.timeout_seconds is None
+
+
+def test_search_and_timing_are_typed_parameters():
+    """`search` and `timing` are pydantic models: the deployment's schema describes their fields, a plain
+    dict (what a JSON parameter is) becomes the model, an unknown field or a wrong type is refused with
+    the field named, and each model holds exactly the fields of the dataclass it fills in."""
+    from dataclasses import fields, replace
+
+    from prefect.exceptions import ParameterTypeError
+
+    from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
+    from tensortune.flows.tune_flow import SearchOptions, TimingOptions, tune_network_flow
+    from tensortune.search.params import SearchParams
+    schema = tune_network_flow.parameters.model_dump()
+    assert {"SearchOptions", "TimingOptions"} <= set(schema["definitions"])
+    assert set(schema["definitions"]["SearchOptions"]["properties"]) >= {"population", "num_iters"}
+    given = tune_network_flow.validate_parameters({"search": {"population": 64}, "timing": {"repeat": 3}})
+    assert given["search"] == SearchOptions(population=64) and given["timing"] == TimingOptions(repeat=3)
+    for bad, field in (({"search": {"populaton": 64}}, "populaton"), ({"timing": {"repeat": "many"}}, "repeat"),
+                       ({"search": {"population": 0}}, "population")):
+        with pytest.raises(ParameterTypeError, match=field):
+            tune_network_flow.validate_parameters(bad)
+    assert set(SearchOptions.model_fields) == {f.name for f in fields(SearchParams)} - {"num_measures_per_round"}
+    assert set(TimingOptions.model_fields) == ({f.name for f in fields(TimingConfig)} - {"reference"}
+                                              | {"build_timeout", "run_timeout"})
+    assert SearchOptions(population=64).params(8) == SearchParams(population=64, num_measures_per_round=8)
+    assert SearchOptions().params(64) == SearchParams()
+    assert TimingOptions(repeat=5).config() == replace(NETWORK_TIMING, repeat=5)
+    assert TimingOptions().config() == NETWORK_TIMING
+
+
 def test_the_failed_nightly_automation_is_valid():
     """deploy/automations.yaml, with a notification block's id filled in as its header says, is an
-    automation Prefect accepts, triggered by a Failed or Crashed run tagged nightly."""
+    automation Prefect accepts, triggered by a Failed, TimedOut or Crashed run tagged nightly."""
     import uuid
 
     from prefect.automations import AutomationCore
     text = (DEPLOY / "automations.yaml").read_text().replace("${NOTIFY_BLOCK_ID}", str(uuid.uuid4()))
     (spec,) = yaml.safe_load(text)["automations"]
     automation = AutomationCore.model_validate(spec)
-    assert set(automation.trigger.expect) == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed"}
+    assert set(automation.trigger.expect) == {"prefect.flow-run.Failed", "prefect.flow-run.TimedOut",
+                                              "prefect.flow-run.Crashed"}
     assert automation.actions[0].type == "send-notification"
     (nightly,) = [d for d in load("prefect.yaml")["deployments"] if d["name"] == "nightly"]
     assert "nightly" in nightly["tags"]                  # what the trigger's match_related names
+
+
+def test_a_run_past_its_time_limit_ends_in_a_state_the_automation_expects(local_server):
+    """A real flow run with a time limit, on a real server: it ends Failed under the name TimedOut, and
+    the state event Prefect emits for it (prefect.flow-run.<state name>) is one the automation expects."""
+    from prefect import flow
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    @flow(timeout_seconds=1)
+    def hangs() -> None:
+        time.sleep(60)
+
+    with temporary_settings({PREFECT_API_URL: local_server.api_url}):
+        state = hangs(return_state=True)
+    assert state.is_failed() and state.name == "TimedOut"
+    (spec,) = load("automations.yaml")["automations"]
+    assert f"prefect.flow-run.{state.name}" in spec["trigger"]["expect"]
 
 
 def test_nightly_cron_schedule_runs_every_night_at_two_utc():
     from prefect.server.schemas.schedules import CronSchedule
     (nightly,) = [d for d in load("prefect.yaml")["deployments"] if d["name"] == "nightly"]
     (spec,) = nightly["schedules"]
-    assert spec["active"] is True and nightly["concurrency_limit"] == 1
+    assert spec["active"] is True and nightly["concurrency_limit"]["limit"] == 1
     schedule = CronSchedule(cron=spec["cron"], timezone=spec["timezone"])
     start = datetime(2026, 3, 28, 12, 0, tzinfo=timezone.utc)
     dates = asyncio.run(schedule.get_dates(n=4, start=start))
@@ -202,3 +283,86 @@ def test_the_compose_cluster_specs_start_a_real_cluster_that_measures(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+# ------------------------------------------------------------------ the local server of `tensortune tune`
+
+@pytest.fixture(scope="module")
+def local_server(tmp_path_factory):
+    """The server `tensortune tune` starts (LOCAL_RUN_SERVICES), in a Prefect home of its own that holds
+    a pid file left by a server that is gone: Prefect would refuse to start while it is there."""
+    from tensortune.flows.prefect_server import LOCAL_RUN_SERVICES, SERVER_PID_FILE, start_server
+    home = tmp_path_factory.mktemp("prefect-home")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (home / SERVER_PID_FILE).write_text(str(gone.pid))
+    server = start_server(port=_free_port(), env={"PREFECT_HOME": str(home)}, services=LOCAL_RUN_SERVICES)
+    yield server
+    server.stop()
+
+
+def test_the_local_server_is_prefects_background_server(local_server):
+    from tensortune.flows.prefect_server import SERVER_PID_FILE, _command_line, api_healthy
+    home = Path(local_server.home)
+    assert (home / SERVER_PID_FILE).read_text().strip() == str(local_server.pid)    # `prefect server stop` finds it
+    assert "prefect.server.api.server:create_app" in _command_line(local_server.pid)
+    assert api_healthy(local_server.api_url)
+    assert "Uvicorn running on" in Path(local_server.log_path).read_text()          # its log, in the file
+
+
+def test_the_local_server_runs_without_the_services_a_local_run_never_uses(local_server):
+    """The running server's own settings (GET /admin/settings): every service LOCAL_RUN_SERVICES names
+    is off (each name is a real setting), the ones the UI needs are on."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, Settings, temporary_settings
+
+    from tensortune.flows.prefect_server import LOCAL_RUN_SERVICES
+    with temporary_settings({PREFECT_API_URL: local_server.api_url}), get_client(sync_client=True) as client:
+        settings = Settings.model_validate(client._client.get("/admin/settings").json())
+    services = settings.server.services
+    off = {"SCHEDULER": services.scheduler, "LATE_RUNS": services.late_runs, "FOREMAN": services.foreman,
+           "PAUSE_EXPIRATIONS": services.pause_expirations, "CANCELLATION_CLEANUP": services.cancellation_cleanup,
+           "CLEANUP_RECONCILER": services.cleanup_reconciler, "REPOSSESSOR": services.repossessor,
+           "TRIGGERS": services.triggers}
+    assert set(LOCAL_RUN_SERVICES) == {f"PREFECT_SERVER_SERVICES_{k}_ENABLED" for k in off} | {
+        "PREFECT_SERVER_ANALYTICS_ENABLED"}
+    assert not any(s.enabled for s in off.values()) and not settings.server.analytics_enabled
+    assert services.event_persister.enabled and services.task_run_recorder.enabled and settings.server.ui.enabled
+
+
+def test_tensortune_reuses_a_healthy_server_and_names_a_live_background_one(local_server):
+    """ensure_server on the port of a running server uses it (and would not stop it); a second
+    background server in the same Prefect home is refused with the running one's port."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tensortune.flows.prefect_server import PrefectServerError, _clear_stale_pid_file, ensure_server
+    port = int(local_server.ui_url.rsplit(":", 1)[1])
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        reused = ensure_server(port)
+    assert reused.api_url == local_server.api_url and not reused.started_here
+    with pytest.raises(PrefectServerError, match=rf"already runs \(pid {local_server.pid}, port {port}\)"):
+        _clear_stale_pid_file(Path(local_server.home), port + 1)
+
+
+def test_a_server_that_cannot_start_is_one_error_quoting_its_log(tmp_path):
+    """`prefect server start --background` refusing (its port is taken) is a PrefectServerError that
+    quotes the end of the log, where Prefect said why; no pid file is left behind."""
+    from tensortune.flows.prefect_server import SERVER_PID_FILE, PrefectServerError, start_server
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PrefectServerError, match=rf"(?s)--port {port}` failed \(exit code 1\).*already in use"):
+            start_server(port=port, env={"PREFECT_HOME": str(tmp_path)}, timeout=60)
+    assert not (tmp_path / SERVER_PID_FILE).exists()
+
+
+def test_stopping_the_local_server_uses_prefect_server_stop(local_server):
+    """Last in this module: the server stops, its pid file is gone (Prefect's `server stop` removes it),
+    and the port answers no more."""
+    from tensortune.flows.prefect_server import SERVER_PID_FILE, _alive, api_healthy
+    pid = local_server.pid
+    local_server.stop()
+    assert not _alive(pid) and not local_server.started_here
+    assert not (Path(local_server.home) / SERVER_PID_FILE).exists()
+    assert not api_healthy(local_server.api_url, timeout=1.0)
