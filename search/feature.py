@@ -331,6 +331,10 @@ def _dyn_sources(dyn: list, n_prods: int) -> list[int]:
 
 
 _CURVE_AT = np.arange(1, CURVE_N + 1)[:, None] / CURVE_N      # the curve's points, fractions of all ops
+# compiled interval-bound functions by their source: structures of one task share most of their index
+# expressions, and the same source (symbols are named by step and loop) is the same function; compiling
+# one took a fifth of making a template
+_BOUNDS_FUNCTIONS: dict[str, Callable] = {}
 
 
 class FeatureTemplate:
@@ -467,8 +471,10 @@ class FeatureTemplate:
         one for the per-level touched regions of the stores (`_atom_index`: where each lands), one for
         the region inference of attached stages (`_region_index`), which runs once per attached stage
         and needs only the readers' few."""
-        loop_vars = {v for st in self.stores for v, _, _ in st.loops}
-        self._loop_names = {v: f"x{k}" for k, v in enumerate(sorted(loop_vars, key=id))}
+        in_order = list(dict.fromkeys(v for st in self.stores for v, _, _ in st.loops))
+        loop_vars = set(in_order)
+        # named in the order the stores run them, so the same loop nest compiles to the same source
+        self._loop_names = {v: f"x{k}" for k, v in enumerate(in_order)}
         stores, regions = [], []
         for store in self.stores:
             for acc in store.accesses:
@@ -516,8 +522,14 @@ class FeatureTemplate:
                 outputs.append(f"np.abs(({hi}) - ({lo}))")
         if not outputs:
             return index, None, []
-        read = set(re.findall(r"X\['(\w+)'\]", "\n".join(comp.lines + outputs)))
-        return index, comp.function(outputs), [(x, self.ext[v]) for v, x in self._loop_names.items() if x in read]
+        source = "\n".join(comp.lines + outputs)
+        fn = _BOUNDS_FUNCTIONS.get(source)
+        if fn is None:
+            if len(_BOUNDS_FUNCTIONS) >= 4096:
+                _BOUNDS_FUNCTIONS.clear()
+            fn = _BOUNDS_FUNCTIONS[source] = comp.function(outputs)
+        read = set(re.findall(r"X\['(\w+)'\]", source))
+        return index, fn, [(x, self.ext[v]) for v, x in self._loop_names.items() if x in read]
 
     def _atom_positions(self, a, loops: list) -> list[int]:
         return sorted(k for k, (v, _, _) in enumerate(loops) if v in self._atom_vars[id(a)])
