@@ -702,16 +702,13 @@ class FeatureTemplate:
 
         one, zero = vrow(1), vrow(0)
         S, N = len(stores), max((len(s.loops) for s in stores), default=0)
-        loop_v = np.full((S, N), one, dtype=np.intp)
-        for si, s in enumerate(stores):
-            for k, (v, _, _) in enumerate(s.loops):
-                loop_v[si, k] = vrow(self.ext[v])
-        prods: list[np.ndarray] = []             # rows of V[prod_v]: sets of loops whose extents multiply
+        loop_v = [[vrow(self.ext[v]) for v, _, _ in s.loops] + [one] * (N - len(s.loops)) for s in stores]
+        prods: list[list[int]] = []              # rows of V[prod_v]: sets of loops whose extents multiply
 
         def prod(si: int, ks) -> int:
-            r = np.full(N, one, dtype=np.intp)
-            ks = list(ks)
-            r[ks] = loop_v[si, ks]
+            r = [one] * N
+            for k in ks:
+                r[k] = loop_v[si][k]
             prods.append(r)
             return len(prods) - 1
 
@@ -734,12 +731,10 @@ class FeatureTemplate:
         shape_one = len(shape_consts)
         shape_consts.append(1.0)
         D = max((len(acc.dims) for s in stores for acc in s.accesses), default=0)
-        shape_prods: list[np.ndarray] = []
+        shape_prods: list[list[int]] = []
 
         def shape_prod(rows: list[int]) -> int:
-            r = np.full(D, shape_one, dtype=np.intp)
-            r[:len(rows)] = rows
-            shape_prods.append(r)
+            shape_prods.append(rows + [shape_one] * (D - len(rows)))
             return len(shape_prods) - 1
 
         static = np.zeros((S, N_FEATURES))
@@ -779,7 +774,7 @@ class FeatureTemplate:
                 if idx:
                     static[si, row + col["num"]] = len(idx)
                     dyn.append((si, row + col["prod"], "P", prod(si, idx)))
-                    dyn.append((si, row + col["len"], "V", int(loop_v[si, idx[-1]])))
+                    dyn.append((si, row + col["len"], "V", loop_v[si][idx[-1]]))
                     static[si, row + col["type.kPosMixed"]] = 1.0
                 else:
                     static[si, row + col["type.kPosNone"]] = 1.0
@@ -789,7 +784,7 @@ class FeatureTemplate:
             for axis in _GPU_AXES:
                 c = row + col[axis.replace(".", "_") + "_len"]
                 if axis in gpu:
-                    dyn.append((si, c, "V", int(loop_v[si, gpu[axis]])))
+                    dyn.append((si, c, "V", loop_v[si][gpu[axis]]))
                 else:
                     static[si, c] = 1.0
             vthread = [i for i, a in enumerate(ann) if a == "vthread"]
@@ -862,12 +857,12 @@ class FeatureTemplate:
                     dis_from_mem.append(r + 1 < n)
                     dis_mem_row.append(si * (N + 1) + r + 1 if r + 1 < n else 0)
                     dis_const.append(0.0 if r + 1 < n else eb_sum)
-                    ct_v.append(int(loop_v[si, r]))
+                    ct_v.append(loop_v[si][r])
                 buf_static.append(f)
             if s.ops.float_ops > 0 and n:
                 curve_store.append(si)
                 curve_ops.append(float(s.ops.float_ops))
-                curve_v.append([int(loop_v[si, n - 1 - j]) if j < n else one for j in range(N)])
+                curve_v.append([loop_v[si][n - 1 - j] if j < n else one for j in range(N)])
                 curve_level.append([n - 1 - j if j < n else 0 for j in range(N)])
                 curve_n.append(n)
             if s.alloc:
@@ -897,7 +892,8 @@ class FeatureTemplate:
         return _Batch(
             n_stores=S, n_access=A, n_loops=N, n_dims=D, n_vrows=n_exprs + len(consts),
             consts=np.array(list(consts), dtype=np.float64), shape_consts=np.array(shape_consts),
-            shape_env=shape_env, loop_v=loop_v, prod_v=np.array(prods, dtype=np.intp).reshape(n_p, N),
+            shape_env=shape_env, loop_v=np.array(loop_v, dtype=np.intp).reshape(S, N),
+            prod_v=np.array(prods, dtype=np.intp).reshape(n_p, N),
             shape_prod=np.array(shape_prods, dtype=np.intp).reshape(len(shape_prods), D),
             static=static, opvec=opvec, dyn_store=ints([x[0] for x in dyn]), dyn_col=ints([x[1] for x in dyn]),
             pick_v=ints([x[3] for x in dyn if x[2] == "V"]),
