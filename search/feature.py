@@ -5,6 +5,9 @@ tile sizes and unroll depths. So features are computed per *structure*: a `Featu
 once from one representative (loop nests, buffer accesses and their linear index coefficients, all
 symbolic in the tile sizes), and then evaluated with numpy over the numbers of every candidate with
 that structure. Region sizes of stages computed inside other stages are inferred the same way.
+A round evaluates about a thousand templates for a few programs each, so what costs is the number of
+numpy calls per evaluation, not their size: all stores and buffer accesses of a template are evaluated
+together, as stacked arrays indexed by a plan made once (`_Batch`), in a fixed number of numpy calls.
 
 Deviations from feature.cc, on purpose: index coefficients are exact linear coefficients (not the
 pattern-matched approximation), `lines` divides by the extents of the loops it skipped (feature.cc
