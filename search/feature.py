@@ -632,7 +632,7 @@ class FeatureTemplate:
         if D:
             hit = (region0 == SH[b.acc_shape]) & b.dim_valid[:, :, None]
             last = D - 1 - np.argmax(hit[:, ::-1], axis=1)
-            at_last = np.take_along_axis(region0, last[:, None, :], axis=1)[:, 0]
+            at_last = region0[np.arange(A)[:, None], last, np.arange(m)]
             n_cont = np.where(hit.any(axis=1), eb * at_last, eb)
         unique_lines = np.where(b.has_loops[:, None], np.maximum(unique / np.minimum(n_cont, self.cache_line), 1.0),
                                 1.0)
@@ -660,7 +660,8 @@ class FeatureTemplate:
         neg_bytes = np.full((S, b.max_access, m), np.inf)
         neg_lines[slots], neg_bytes[slots] = -lines, -bytes_
         order = np.lexsort((neg_bytes, neg_lines), axis=1)[:, :MAX_N_BUFS]          # [S, <=5, m]
-        picked = np.take_along_axis(Fp, order[:, :, None, :], axis=1)
+        picked = Fp[np.arange(S)[:, None, None, None], order[:, :, None, :], np.arange(len(BUFFER_FIELDS))[:, None],
+                    np.arange(m)]
         row = OFFSET["buffers"]
         out[:, row:row + picked.shape[1] * len(BUFFER_FIELDS)] = picked.reshape(S, -1, m)
         out[:, row + picked.shape[1] * len(BUFFER_FIELDS):row + MAX_N_BUFS * len(BUFFER_FIELDS)] = 0.0
@@ -672,10 +673,12 @@ class FeatureTemplate:
             x = ops[np.arange(len(cs)), b.curve_n - 1][:, None, :] * _CURVE_AT[None]  # [C, CURVE_N, m]
             pt = np.argmax(ops[:, :, None, :] >= x[:, None] - 1e-4, axis=1)          # [C, CURVE_N, m]
             prev = np.maximum(pt - 1, 0)
-            base, ops_prev = np.take_along_axis(ratio, prev, axis=1), np.take_along_axis(ops, prev, axis=1)
-            denom = np.take_along_axis(ops, pt, axis=1) - ops_prev
+            at = (np.arange(len(cs))[:, None, None], prev, np.arange(m))      # take_along_axis, without its overhead
+            base, ops_prev = ratio[at], ops[at]
+            at = (at[0], pt, at[2])
+            denom = ops[at] - ops_prev
             safe = np.where(denom != 0, denom, 1)
-            slope = np.where(denom != 0, (np.take_along_axis(ratio, pt, axis=1) - base) / safe, 0)
+            slope = np.where(denom != 0, (ratio[at] - base) / safe, 0)
             out[cs, OFFSET["curve"]:OFFSET["curve"] + CURVE_N] = np.where(pt == 0, ratio[:, :1],
                                                                           base + slope * (x - ops_prev))
         # ---- allocation of the stage's own buffer (its first access)
