@@ -295,7 +295,8 @@ class _Batch:
     term_dim: np.ndarray
     term_loop: np.ndarray
     term_v: np.ndarray
-    atom_matrix: np.ndarray | None   # [A * D * (N + 1), atoms]: which atom widths add to which span
+    atom_rows: np.ndarray        # the spans (rows of [A * D * (N + 1)]) non-linear index parts add to
+    atom_matrix: np.ndarray | None   # [len(atom_rows), atoms]: how often each atom's width adds there
     eb_matrix: np.ndarray        # [S, A] element bytes of each store's accesses
     stride_v: np.ndarray         # [A] V row of the innermost stride's coefficient (1: non-linear, 0: none)
     below_at: np.ndarray         # [A] shape_prod row: the dims inside the stride's dim
@@ -619,7 +620,8 @@ class FeatureTemplate:
             Wm = np.empty((len(W), m))
             for i, w in enumerate(W):
                 Wm[i] = w
-            span = span + (b.atom_matrix @ Wm).reshape(A, D, N + 1, m)
+            span = np.ascontiguousarray(span)
+            span.reshape(A * D * (N + 1), m)[b.atom_rows] += b.atom_matrix @ Wm
         touched = np.prod(span + 1, axis=1)               # [A, N+1, m]
         region0 = span[:, :, 0] + 1                       # [A, D, m]
         mem = (b.eb_matrix @ touched.reshape(A, -1)).reshape(S, N + 1, m)
@@ -886,11 +888,13 @@ class FeatureTemplate:
             else:
                 static[si, row + col["auto_unroll_max_step"]] = u if u is not None else 0.0
         A = len(acc_store)
+        atom_rows = sorted({(a * D + d) * (N + 1) + level for a, d, level, _ in atoms})
         atom_matrix = None
         if atoms:
-            atom_matrix = np.zeros((A * D * (N + 1), len(self._atom_index)))
+            at_row = {r: i for i, r in enumerate(atom_rows)}
+            atom_matrix = np.zeros((len(atom_rows), len(self._atom_index)))
             for a, d, level, w in atoms:
-                atom_matrix[(a * D + d) * (N + 1) + level, w] += 1.0
+                atom_matrix[at_row[(a * D + d) * (N + 1) + level], w] += 1.0
         eb_matrix = np.zeros((S, A))
         eb_matrix[acc_store, np.arange(A)] = eb
         n_p = len(prods)
@@ -907,8 +911,8 @@ class FeatureTemplate:
             acc_store=ints(acc_store), acc_slot=ints(acc_slot), acc_shape=ints(acc_shape).reshape(A, D),
             dim_valid=np.array(dim_valid, dtype=bool).reshape(A, D), eb=np.array(eb), has_loops=np.array(has_loops),
             term_acc=ints(term_acc), term_dim=ints(term_dim), term_loop=ints(term_loop), term_v=ints(term_v),
-            atom_matrix=atom_matrix, eb_matrix=eb_matrix, stride_v=ints(stride_v), below_at=ints(below_at),
-            reduce_at=ints(reduce_at), stride_feature=np.array(stride_feature, dtype=bool),
+            atom_rows=ints(atom_rows), atom_matrix=atom_matrix, eb_matrix=eb_matrix, stride_v=ints(stride_v),
+            below_at=ints(below_at), reduce_at=ints(reduce_at), stride_feature=np.array(stride_feature, dtype=bool),
             has_reuse=np.array(has_reuse, dtype=bool), dis_iter_at=ints(dis_iter_at),
             dis_from_mem=np.array(dis_from_mem, dtype=bool), dis_mem_row=ints(dis_mem_row),
             dis_const=np.array(dis_const), ct_v=ints(ct_v), buf_static=np.array(buf_static).reshape(A, -1),
