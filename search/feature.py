@@ -557,7 +557,7 @@ class FeatureTemplate:
     def __call__(self, numbers: np.ndarray) -> np.ndarray:
         """numbers: [m, len(slots)] -> features [m, n_stores, 164]."""
         m = numbers.shape[0]
-        env = {v.name: numbers[:, j].astype(np.int64) for j, v in enumerate(self._slot_syms)}
+        env = dict(zip((v.name for v in self._slot_syms), np.asarray(numbers, dtype=np.int64).T.copy()))
         ones = np.ones(m, dtype=np.int64)
         for region in self.region_syms.values():     # provisional, refined below
             for v in region:
