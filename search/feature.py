@@ -665,8 +665,7 @@ class FeatureTemplate:
         picked = Fp[np.arange(S)[:, None, None, None], order[:, :, None, :], np.arange(len(BUFFER_FIELDS))[:, None],
                     np.arange(m)]
         row = OFFSET["buffers"]
-        out[:, row:row + picked.shape[1] * len(BUFFER_FIELDS)] = picked.reshape(S, -1, m)
-        out[:, row + picked.shape[1] * len(BUFFER_FIELDS):row + MAX_N_BUFS * len(BUFFER_FIELDS)] = 0.0
+        out[:, row:row + picked.shape[1] * len(BUFFER_FIELDS)] = picked.reshape(S, -1, m)   # the rest stays 0
         # ---- arithmetic intensity (ops / bytes) at CURVE_N evenly spaced op counts, innermost level first
         if len(b.curve_store):
             cs = b.curve_store
