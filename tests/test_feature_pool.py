@@ -151,9 +151,12 @@ def test_helpers_and_prefetching_leave_the_proposals_as_they_were():
             model.update(task, train, costs)
             policy = SketchPolicy(task, model, params, seed=4)
             policy.preload(train, costs)
+            prefetched: list[int] = []
+            start = featurizer.prefetch
+            featurizer.prefetch = lambda t, ps: (prefetched.append(len(ps)), start(t, ps))[1]  # type: ignore
             batches.append([c.steps_json for c in policy.next_batch(32)])
             if processes:
-                assert _helper_pids(featurizer)
+                assert _helper_pids(featurizer) and sum(prefetched) >= 256     # the sampled population, at least
         finally:
             featurizer.close()
     assert batches[0] == batches[1] and len(batches[0]) == 32
