@@ -54,9 +54,6 @@ class Featurizer:
         self.min_batch = min_batch            # smaller calls are not worth a round trip
         self.extractors: dict[str, FeatureExtractor] = {}
         self._executors: list[ProcessPoolExecutor | None] = [None] * self.processes
-        # prefetches not yet asked for: (helper, workload key, program keys per structure, future)
-        self._prefetches: list[tuple[int, str, list[list], Future]] = []
-        self._inflight: dict[str, set] = {}      # workload key -> keys of its programs being prefetched
         self._finalizer = weakref.finalize(self, _shutdown, self._executors)
 
     def extractor(self, task: SearchTask) -> FeatureExtractor:
@@ -66,76 +63,13 @@ class Featurizer:
         return ex
 
     def __call__(self, task: SearchTask, states: Sequence[Program]) -> list[np.ndarray]:
-        """One [n_stores, 164] matrix per state; those of programs handed to `prefetch` come from the
-        helpers that computed them meanwhile."""
-        inflight = self._inflight.pop(task.workload_key, set())
-        prefetched = [p for p in self._prefetches if p[1] == task.workload_key]
-        self._prefetches = [p for p in self._prefetches if p[1] != task.workload_key]
-        todo = [i for i, s in enumerate(states) if _program_key(s) not in inflight] if inflight else \
-            list(range(len(states)))
-        out: list[np.ndarray | None] = [None] * len(states)
-        for i, f in zip(todo, self._compute(task, [states[i] for i in todo])):
-            out[i] = f
-        if len(todo) < len(states):
-            ready: dict = {}
-            for n, _, keys, future in prefetched:
-                feats = self._result(n, future)
-                for program_keys, block in zip(keys, feats or ()):
-                    ready.update(zip(program_keys, block))
-            missing: list[int] = []
-            for i, s in enumerate(states):
-                if out[i] is None:
-                    got = ready.get(_program_key(s))
-                    if got is None:
-                        missing.append(i)
-                    else:
-                        out[i] = got
-            # a helper died with its prefetch: those programs are computed here
-            for i, f in zip(missing, self._compute(task, [states[i] for i in missing], helpers=False)):
-                out[i] = f
-        # prefetches of programs not asked for are left to finish unread
-        return out  # type: ignore[return-value]
-
-    def prefetch(self, task: SearchTask, programs: Sequence[Program]) -> None:
-        """Start the helpers on their share of `programs` (programs with a `key`, as Candidates) now, so
-        that the next call asking for them finds them computed while this process went on (sampling or
-        mutating the population the call will score). The share is the one a call would give them (the
-        same stable hash), so each structure's template stays in one process; the rest is left to that
-        call. Without helpers nothing happens."""
-        if not self.processes:
-            return
-        for other in [p for p in self._prefetches if p[1] != task.workload_key]:   # another task's: unread
-            self._prefetches.remove(other)
-            self._inflight.pop(other[1], None)
-        inflight = self._inflight.setdefault(task.workload_key, set())
-        fresh: dict = {}
-        for s in programs:
-            key = _program_key(s)
-            if key is not None and key not in inflight:
-                fresh.setdefault(key, s)
-        if not fresh:
-            return
+        """One [n_stores, 164] matrix per state."""
         ex = self.extractor(task)
-        states = list(fresh.values())
-        shares = self._shares(ex, states, self.processes + 1)
-        for worker in range(1, len(shares)):
-            if not shares[worker]:
-                continue
-            jobs = [(key, _steps_json(states[idx[0]]), ex.numbers(states, idx)) for key, idx in shares[worker]]
-            future = self._submit(worker - 1, task, jobs)
-            if future is None:
-                return
-            keys = [[_program_key(states[i]) for i in idx] for _, idx in shares[worker]]
-            self._prefetches.append((worker - 1, task.workload_key, keys, future))
-            inflight.update(k for ks in keys for k in ks)
-
-    def _compute(self, task: SearchTask, states: Sequence[Program], helpers: bool = True) -> list[np.ndarray]:
-        """Features of `states`: the helpers' shares sent off, this process's share computed meanwhile."""
-        if not states:
-            return []
-        ex = self.extractor(task)
-        ways = self.processes + 1 if helpers and self.processes and len(states) >= self.min_batch else 1
-        shares = self._shares(ex, states, ways)
+        groups = list(ex.groups(states).items())
+        ways = self.processes + 1 if self.processes and len(states) >= self.min_batch else 1
+        shares: list[list[tuple[str, list[int]]]] = [[] for _ in range(ways)]
+        for key, idx in groups:
+            shares[zlib.crc32(key.encode()) % ways].append((key, idx))
         pending: list[tuple[int, list, Future | None]] = []
         for worker in range(1, ways):
             if shares[worker]:
@@ -150,14 +84,6 @@ class Featurizer:
                 feats = [ex.evaluate(key, states[idx[0]], ex.numbers(states, idx)) for key, idx in share]
             self._place(out, share, feats)
         return out  # type: ignore[return-value]
-
-    @staticmethod
-    def _shares(ex: FeatureExtractor, states: Sequence[Program], ways: int) -> list[list[tuple[str, list[int]]]]:
-        """Each structure's programs, dealt to `ways` processes by a stable hash of its key (0: this one)."""
-        shares: list[list[tuple[str, list[int]]]] = [[] for _ in range(ways)]
-        for key, idx in ex.groups(states).items():
-            shares[zlib.crc32(key.encode()) % ways].append((key, idx))
-        return shares
 
     @staticmethod
     def _place(out: list, share: list[tuple[str, list[int]]], feats: list[np.ndarray]) -> None:
@@ -210,11 +136,6 @@ def _shutdown(executors: list) -> None:
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
             executors[n] = None
-
-
-def _program_key(program):
-    """A program's identity (a Candidate's step key), or None for one without (a State)."""
-    return getattr(program, "key", None)
 
 
 def _steps_json(program) -> str:

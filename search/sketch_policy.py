@@ -20,7 +20,6 @@ from tensortune.schedule.state import State
 from tensortune.search.annotation import InvalidSample, sample_state
 from tensortune.search.candidate import Candidate, StepsKey
 from tensortune.search.cost_model import CostModel, RandomModel
-from tensortune.search.feature_pool import Featurizer
 from tensortune.search.memory import paused_gc
 from tensortune.search.mutation import (
     crossover,
@@ -34,8 +33,6 @@ from tensortune.search.sketch_rules import Sketch, SketchContext, SketchRule, ge
 from tensortune.tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")
-
-PREFETCH_CHUNK = 256       # programs handed to the feature helpers at a time while sampling and mutating
 
 
 @dataclass
@@ -76,17 +73,12 @@ class SketchPolicy:
 
     # ------------------------------------------------------------------ sampling
 
-    def sample(self, n: int, prefetch: bool = False) -> list[Candidate]:
-        """n random complete programs, unique and not measured before (fewer if the space is small).
-        `prefetch`: the model will score them next, so their features are started as they come."""
+    def sample(self, n: int) -> list[Candidate]:
+        """n random complete programs, unique and not measured before (fewer if the space is small)."""
         out: dict[StepsKey, Candidate] = {}
         tries = 0
         sample = self._sample_fn()
-        started = 0
         while len(out) < n and tries < 4 * n + 20:
-            if prefetch and len(out) - started >= PREFETCH_CHUNK:
-                self._prefetch(list(out.values())[started:])
-                started = len(out)
             tries += 1
             k = self.rng.randrange(len(self.sketches))
             try:
@@ -96,8 +88,6 @@ class SketchPolicy:
             c = Candidate.of(st, k)
             if c.key not in self.measured and c.key not in out:
                 out[c.key] = c
-        if prefetch:
-            self._prefetch(list(out.values())[started:])
         return list(out.values())
 
     def _sample_fn(self):
@@ -112,7 +102,7 @@ class SketchPolicy:
     def predict(self, cands: list[Candidate]) -> np.ndarray:
         """Predicted scores; a program scored earlier under the same model is not featurised again."""
         t0 = time.perf_counter()
-        version = self._version()
+        version = (id(self.model), self.model.version, self.model.is_random)
         if self._score_version != version:
             self._scores, self._score_version = {}, version
         todo = list({c.key: c for c in cands if c.key not in self._scores}.values())
@@ -122,20 +112,6 @@ class SketchPolicy:
         self.timing.predict_s += time.perf_counter() - t0
         self.timing.n_evaluated += len(todo)
         return np.array([self._scores[c.key] for c in cands], dtype=np.float64)
-
-    def _prefetch(self, cands: list[Candidate]) -> None:
-        """Start the model's feature helpers on programs it will score next and has not scored yet:
-        they compute while this process samples or mutates (a Featurizer's helpers, where the model
-        has one; sampling is most of a round and ran on one core while the other waited)."""
-        features = getattr(self.model, "features", None)
-        if not isinstance(features, Featurizer) or not features.processes or self.model.is_random:
-            return
-        scored = self._scores if self._score_version == self._version() else {}
-        features.prefetch(self.task, [c for c in cands if c.key not in scored])
-
-    def _version(self) -> tuple:
-        """What the scores come from: a new model or version scores everything anew."""
-        return id(self.model), self.model.version, self.model.is_random
 
     def _mutate(self, c: Candidate) -> Candidate | None:
         w = self.params.mutation_weights
@@ -188,8 +164,6 @@ class SketchPolicy:
                     child = parent
                 if child is not None:
                     nxt.append(child)
-                    if len(nxt) % PREFETCH_CHUNK == 0:
-                        self._prefetch(nxt[-PREFETCH_CHUNK:])
             pop = nxt
             self.timing.evolve_s += time.perf_counter() - t0
         return [c for _, c in sorted(best.values(), key=lambda x: -x[0])][:out_size]
@@ -205,11 +179,10 @@ class SketchPolicy:
         n = n or self.params.num_measures_per_round
         self.timing = RoundTiming()
         t0 = time.perf_counter()
+        init = self.sample(self.params.sample_init_population)
         n_measured = min(len(self.measured_cands), int(self.params.sample_init_use_measured_ratio *
                                                        self.params.population))
         good = sorted(self.measured_cands.values(), key=lambda c: -self.measured[c.key])[:n_measured]
-        self._prefetch(good)
-        init = self.sample(self.params.sample_init_population, prefetch=True)
         self.timing.sample_s = time.perf_counter() - t0
         self.timing.n_init = len(init)
         n_random = int(self.params.eps_greedy * n)

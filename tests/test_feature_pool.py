@@ -103,40 +103,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_prefetched_features_are_the_ones_computed_here(population):
-    task, programs = population
-    expected = FeatureExtractor(task)(programs)
-    featurizer = Featurizer(processes=1, min_batch=10_000)      # a call alone would use no helper
-    try:
-        featurizer.prefetch(task, programs[:300])
-        assert featurizer._prefetches and featurizer._inflight[task.workload_key]
-        got = featurizer(task, programs)
-        assert _same(got, expected)
-        # the helper's share came from the helper (float32), the rest was computed here (float64)
-        assert {f.dtype for f in got[:300]} == {np.dtype(np.float32), np.dtype(np.float64)}
-        assert {f.dtype for f in got[300:]} == {np.dtype(np.float64)}
-        assert not featurizer._prefetches and not featurizer._inflight
-    finally:
-        featurizer.close()
-
-
-def test_a_helper_killed_with_a_prefetch_costs_nothing(population):
-    task, programs = population
-    expected = FeatureExtractor(task)(programs)
-    featurizer = Featurizer(processes=1, min_batch=1)
-    try:
-        featurizer(task, programs[:50])
-        (pid,) = _helper_pids(featurizer)
-        featurizer.prefetch(task, programs)
-        os.kill(pid, signal.SIGKILL)
-        assert _same(featurizer(task, programs), expected)
-    finally:
-        featurizer.close()
-
-
-def test_helpers_and_prefetching_leave_the_proposals_as_they_were():
-    """A policy proposes the same programs whether its model's features come from helpers (prefetched
-    while it samples and mutates) or from this process alone."""
+def test_helpers_leave_the_proposals_as_they_were():
+    """A policy proposes the same programs whether its model's features come from a helper (float32)
+    or from this process alone."""
     from tensortune.search.cost_model import XGBModel
     from tensortune.search.params import SearchParams
     task = make_task(make_dag("conv2d_relu", 1, 14, 14, 16, 16, 3, 3, 1, 1))
@@ -151,12 +120,9 @@ def test_helpers_and_prefetching_leave_the_proposals_as_they_were():
             model.update(task, train, costs)
             policy = SketchPolicy(task, model, params, seed=4)
             policy.preload(train, costs)
-            prefetched: list[int] = []
-            start = featurizer.prefetch
-            featurizer.prefetch = lambda t, ps: (prefetched.append(len(ps)), start(t, ps))[1]  # type: ignore
             batches.append([c.steps_json for c in policy.next_batch(32)])
             if processes:
-                assert _helper_pids(featurizer) and sum(prefetched) >= 256     # the sampled population, at least
+                assert _helper_pids(featurizer)
         finally:
             featurizer.close()
     assert batches[0] == batches[1] and len(batches[0]) == 32
