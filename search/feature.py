@@ -5,6 +5,9 @@ tile sizes and unroll depths. So features are computed per *structure*: a `Featu
 once from one representative (loop nests, buffer accesses and their linear index coefficients, all
 symbolic in the tile sizes), and then evaluated with numpy over the numbers of every candidate with
 that structure. Region sizes of stages computed inside other stages are inferred the same way.
+A round evaluates about a thousand templates for a few programs each, so what costs is the number of
+numpy calls per evaluation, not their size: all stores and buffer accesses of a template are evaluated
+together, as stacked arrays indexed by a plan made once (`_Batch`), in a fixed number of numpy calls.
 
 Deviations from feature.cc, on purpose: index coefficients are exact linear coefficients (not the
 pattern-matched approximation), `lines` divides by the extents of the loops it skipped (feature.cc
@@ -23,7 +26,8 @@ enclosing loops, and its readers see a buffer the size of the region.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -44,7 +48,7 @@ from tensortune.search.feature_layout import (
     OP_FIELDS,
     onehot_mask,
 )
-from tensortune.search.symbolic import FreeVars, IntervalCompiler, Linear, compile_exprs, linear_form
+from tensortune.search.symbolic import FreeVars, IntervalCompiler, compile_exprs, linear_form
 from tensortune.tasks import te
 from tensortune.tasks.search_task import SearchTask
 from tensortune.tasks.te import DTYPE_BYTES, Expr, Var
@@ -115,27 +119,67 @@ class _OpCounts(dict):
         return sum(self[f] for f in ("float_addsub", "float_mul", "float_divmod", "float_cmp", "float_mathfunc"))
 
 
+_OP_KIND = {"add": "addsub", "sub": "addsub", "mul": "mul", "div": "divmod", "floordiv": "divmod",
+            "floormod": "divmod"}
+
+
+def _op_field(n: Expr) -> str | None:
+    """The op-count feature one node adds to (None: it is no operation)."""
+    if isinstance(n, (te.BinOp, te.Cmp)):
+        if n.op in ("and", "or"):
+            return "bool_op"
+        return f"{'float' if te.is_float(n.a.dtype) else 'int'}_{_OP_KIND.get(n.op, 'cmp')}"
+    if isinstance(n, te.Not):
+        return "bool_op"
+    if isinstance(n, te.Select):
+        return "select_op"
+    if isinstance(n, te.Call):
+        return "float_mathfunc" if te.is_float(n.dtype) else "int_mathfunc"
+    return None
+
+
 def _count_ops(e: Expr) -> _OpCounts:
+    """Operations of `e` as a tree: a subtree shared by two parents counts twice. Substituted loop
+    values make index expressions share large subtrees, so each distinct node is looked at once and
+    counted as often as paths from the root reach it (parents before children: reversed postorder)."""
+    order: list[Expr] = []
+    seen: set[int] = set()
+    stack: list[tuple[Expr, bool]] = [(e, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+        elif id(node) not in seen:
+            seen.add(id(node))
+            stack.append((node, True))
+            stack.extend((k, False) for k in te.children(node) if id(k) not in seen)
+    paths = {id(e): 1}
     c = _OpCounts()
-    for n in te.walk(e):
-        if isinstance(n, (te.BinOp, te.Cmp)):
-            if n.op in ("and", "or"):
-                c["bool_op"] += 1
-                continue
-            f = te.is_float(n.a.dtype)
-            kind = {"add": "addsub", "sub": "addsub", "mul": "mul", "div": "divmod", "floordiv": "divmod",
-                    "floormod": "divmod"}.get(n.op, "cmp")
-            c[f"{'float' if f else 'int'}_{kind}"] += 1
-        elif isinstance(n, te.Not):
-            c["bool_op"] += 1
-        elif isinstance(n, te.Select):
-            c["select_op"] += 1
-        elif isinstance(n, te.Call):
-            if te.is_float(n.dtype):
-                c["float_mathfunc"] += 1
-            else:
-                c["int_mathfunc"] += 1
+    for node in reversed(order):
+        k = paths[id(node)]
+        f = _op_field(node)
+        if f is not None:
+            c[f] += k
+        for child in te.children(node):
+            paths[id(child)] = paths.get(id(child), 0) + k
     return c
+
+
+def _first_loads(e: Expr) -> dict[str, list]:
+    """The indices of each tensor's first load in pre-order (a shared subtree is walked once: its first
+    occurrence comes first anyway)."""
+    reads: dict[str, list] = {}
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if isinstance(n, te.Load) and n.tensor.name not in reads:
+            reads[n.tensor.name] = [n.indices]
+        stack.extend(reversed(te.children(n)))
+    return reads
 
 
 # ------------------------------------------------------------------------------------ template
@@ -157,7 +201,6 @@ class _Store:
     accesses: list               # [_Access]
     ops: _OpCounts
     alloc: bool                  # the stage's buffer is allocated (not a kernel argument)
-    plan: dict | None = field(default=None, repr=False, compare=False)   # FeatureTemplate._plan, made once
 
 
 def _split_lengths(steps: Sequence, sym: dict, i: int) -> list:
@@ -219,6 +262,85 @@ def _region_base(name: str, nests: dict, enclosing: dict, loads: dict, order: li
     return None
 
 
+@dataclass
+class _Batch:
+    """A template's stores as index arrays (`FeatureTemplate._make_batch`): S stores, A buffer accesses
+    (each of one store), N = the most loops of a store, D = the most dims of a buffer. V (the values
+    `_features` stacks) holds every compiled expression, then constants, 1 and 0; rows past a store's
+    loops or an access's dims point at 1, so products over them are unchanged."""
+    n_stores: int
+    n_access: int
+    n_loops: int
+    n_dims: int
+    n_vrows: int
+    consts: np.ndarray           # V's rows after the expressions
+    shape_consts: np.ndarray     # every buffer dim's size (0 where it is a region symbol), then 1
+    shape_env: list              # (row, symbol name) of the region-sized dims
+    loop_v: np.ndarray           # [S, N] V row of each loop's extent
+    prod_v: np.ndarray           # [rows, N] sets of loop extents to multiply (row s < S: store s's loops)
+    shape_prod: np.ndarray       # [rows, D] sets of buffer dims to multiply
+    static: np.ndarray           # [S, 164] what does not depend on the numbers
+    opvec: np.ndarray            # [S, 16] op counts of one execution of the store
+    dyn_store: np.ndarray        # the other per-store features: out[dyn_store, dyn_col] = [P; V[pick_v]][dyn_src]
+    dyn_col: np.ndarray
+    pick_v: np.ndarray
+    dyn_src: np.ndarray
+    acc_store: np.ndarray        # [A] per access: its store, its place among the store's accesses, ...
+    acc_slot: np.ndarray
+    acc_shape: np.ndarray        # [A, D] SH rows of its dims
+    dim_valid: np.ndarray        # [A, D]
+    eb: np.ndarray               # [A] element bytes
+    has_loops: np.ndarray        # [A] its store has loops
+    term_acc: np.ndarray         # linear index terms: (access, dim, loop, V row of the coefficient)
+    term_dim: np.ndarray
+    term_loop: np.ndarray
+    term_v: np.ndarray
+    atom_rows: np.ndarray        # the spans (rows of [A * D * (N + 1)]) non-linear index parts add to
+    atom_matrix: np.ndarray | None   # [len(atom_rows), atoms]: how often each atom's width adds there
+    eb_matrix: np.ndarray        # [S, A] element bytes of each store's accesses
+    stride_v: np.ndarray         # [A] V row of the innermost stride's coefficient (1: non-linear, 0: none)
+    below_at: np.ndarray         # [A] shape_prod row: the dims inside the stride's dim
+    reduce_at: np.ndarray        # [A] prod_v row: the loops inside the stride's loop
+    stride_feature: np.ndarray   # [A] the stride is the innermost loop's
+    has_reuse: np.ndarray        # [A] and the reuse loop's
+    dis_iter_at: np.ndarray
+    dis_from_mem: np.ndarray
+    dis_mem_row: np.ndarray
+    dis_const: np.ndarray
+    ct_v: np.ndarray
+    buf_static: np.ndarray       # [A, 18] access and reuse type flags
+    max_access: int
+    curve_store: np.ndarray      # stores with float ops and loops: the curve's inputs
+    curve_ops: np.ndarray
+    curve_v: np.ndarray          # [C, N] V rows of the extents, innermost first
+    curve_level: np.ndarray      # [C, N] the loop level each of those is
+    curve_n: np.ndarray
+    alloc_store: np.ndarray      # stores whose buffer is allocated
+    elems_at: np.ndarray
+    alloc_outer_at: np.ndarray
+    alloc_bytes: np.ndarray
+    unroll_env: list             # (store, symbol name) of unroll depths left open
+
+
+def _dyn_sources(dyn: list, n_prods: int) -> list[int]:
+    """Rows of [P; V[pick_v]] for the (store, column, "P" or "V", row) entries of `dyn`."""
+    out, picked = [], 0
+    for _, _, kind, row in dyn:
+        if kind == "P":
+            out.append(row)
+        else:
+            out.append(n_prods + picked)
+            picked += 1
+    return out
+
+
+_CURVE_AT = np.arange(1, CURVE_N + 1)[:, None] / CURVE_N      # the curve's points, fractions of all ops
+# compiled interval-bound functions by their source: structures of one task share most of their index
+# expressions, and the same source (symbols are named by step and loop) is the same function; compiling
+# one took a fifth of making a template
+_BOUNDS_FUNCTIONS: dict[str, Callable] = {}
+
+
 class FeatureTemplate:
     """Features of every state with one structure, as a function of its open numbers."""
 
@@ -277,8 +399,8 @@ class FeatureTemplate:
         # are offset by where that region starts (the readers' indices with their inner loops at 0).
         for name in self.stage_names:
             _loop_nest(name, by_name, pragma_sym, nests, enclosing)
-        global_vals: dict[str, dict] = {}
         loads: dict[str, dict[str, list]] = {}
+        srcs: dict[str, Expr] = {}
         for name in reversed(self.stage_names):
             st = by_name[name]
             vals = values[name]
@@ -286,14 +408,9 @@ class FeatureTemplate:
                 base = _region_base(name, nests, enclosing, loads, self.stage_names)
                 if base is not None:
                     vals = {**vals, **{a: te.binary("add", b, vals[a]) for a, b in zip(st.op.axes, base)}}
-            global_vals[name] = vals
             body = bodies[name]
-            src = te.substitute(body.source if isinstance(body, te.Reduce) else body, vals)
-            reads: dict[str, list] = {}
-            for n in te.walk(src):
-                if isinstance(n, te.Load):
-                    reads.setdefault(n.tensor.name, []).append(n.indices)
-            loads[name] = reads
+            srcs[name] = te.substitute(body.source if isinstance(body, te.Reduce) else body, vals)
+            loads[name] = _first_loads(srcs[name])
         self.stores: list[_Store] = []
         free_vars = FreeVars()
         for name in self.stage_names:
@@ -301,7 +418,6 @@ class FeatureTemplate:
             loops = nests[name]
             loop_vars = {v for v, _, _ in loops}
             body = bodies[name]
-            src = te.substitute(body.source if isinstance(body, te.Reduce) else body, global_vals[name])
             accesses = []
             # the stage's own buffer is indexed relative to its region (values[name]: local coordinates)
             out_idx = [values[name][a] for a in st.op.axes]
@@ -318,7 +434,7 @@ class FeatureTemplate:
                     idx = [te.substitute(i, fixed) for i in idx]
                 accesses.append(_Access(buf, [linear_form(i, loop_vars, free_vars) for i in idx], 0,
                                         DTYPE_BYTES[dtype]))
-            ops = _count_ops(src)
+            ops = _count_ops(srcs[name])
             if isinstance(body, te.Reduce):
                 ops["float_addsub"] += 1 if te.is_float(st.op.dtype) and body.combiner == "sum" else 0
                 ops["float_cmp"] += 1 if te.is_float(st.op.dtype) and body.combiner != "sum" else 0
@@ -352,41 +468,72 @@ class FeatureTemplate:
         self._atom_vars = {id(a): free_vars(a) for s in self.stores for acc in s.accesses for d in acc.dims
                            for a in d.atoms}
         self._compile_atoms()
-        self._ext_rows = {v: r for r, v in enumerate(dict.fromkeys(v for st in self.stores for v, _, _ in st.loops))}
-        self._shape_rows = {key: r for r, key in enumerate(dict.fromkeys(
-            (acc.buffer, d) for st in self.stores for acc in st.accesses for d in range(len(acc.dims))))}
+        self._batch = self._make_batch()
 
     def _compile_atoms(self) -> None:
-        """One numpy function for every (non-linear index part, set of varying loops) the features
-        need: the region inference of attached stages and the per-level touched regions."""
-        loop_vars = {v for st in self.stores for v, _, _ in st.loops}
-        self._loop_names = {v: f"x{k}" for k, v in enumerate(sorted(loop_vars, key=id))}
-        # split lengths (L..) and region sizes (R..) are at least 1, unroll depths (P..) at least 0
-        floors = {name: 1 if name[0] in "LR" else 0 for name in self._names.values()}
-        comp = IntervalCompiler({**self._names, **self._loop_names}, loop_vars, floors)
-        self._atom_index: dict = {}
-        outputs: list[str] = []
-
-        def want(a, ranging: frozenset) -> None:
-            key = (id(a), ranging)
-            if key not in self._atom_index:
-                lo, hi = comp.bound(a, ranging)
-                self._atom_index[key] = len(outputs)
-                outputs.append(f"np.abs(({hi}) - ({lo}))")
-
+        """Numpy functions for every (non-linear index part, set of varying loops) the features need:
+        one for the per-level touched regions of the stores (`_atom_index`: where each lands), one for
+        the region inference of attached stages (`_region_index`), which runs once per attached stage
+        and needs only the readers' few."""
+        in_order = list(dict.fromkeys(v for st in self.stores for v, _, _ in st.loops))
+        loop_vars = set(in_order)
+        # named in the order the stores run them, so the same loop nest compiles to the same source
+        self._loop_names = {v: f"x{k}" for k, v in enumerate(in_order)}
+        stores, regions = [], []
         for store in self.stores:
             for acc in store.accesses:
                 for lin in acc.dims:
                     for a in lin.atoms:
                         for p in self._atom_positions(a, store.loops):
-                            want(a, self._ranging(a, store.loops, p))
+                            stores.append((a, self._ranging(a, store.loops, p)))
         for name, readers in self.readers.items():
             start = next(st.n_enclosing for st in self.stores if st.stage == name)
             for store, acc in readers:
                 for lin in acc.dims:
                     for a in lin.atoms:
-                        want(a, self._ranging(a, store.loops, start))
-        self._atom_fn: Callable[[dict, dict], tuple] | None = comp.function(outputs) if outputs else None
+                        regions.append((a, self._ranging(a, store.loops, start)))
+        self._atom_index, self._atom_fn, self._atom_x = self._compile_atom_set(loop_vars, stores)
+        self._region_index, self._region_fn, self._region_x = self._compile_atom_set(loop_vars, regions)
+        # region inference, consumers first (they come later in stage order): per attached stage, its
+        # shape, its size symbols and, per reader access dim, the (coefficient, extent) of each loop
+        # inside the attach point and the widths of the non-linear parts
+        self._regions: list[tuple[list, list[str], list]] = []
+        for name in reversed(self.stage_names):
+            if name not in self.region_syms:
+                continue
+            start = next(st.n_enclosing for st in self.stores if st.stage == name)
+            dims = []
+            for store, acc in self.readers[name]:
+                for d, lin in enumerate(acc.dims):
+                    terms = [(lin.coef[v], self.ext[v]) for v, _, _ in store.loops[start:] if v in lin.coef]
+                    atoms = [self._region_index[(id(a), self._ranging(a, store.loops, start))] for a in lin.atoms]
+                    dims.append((d, terms, atoms))
+            self._regions.append((self._tensor_shapes[name], [v.name for v in self.region_syms[name]], dims))
+
+    def _compile_atom_set(self, loop_vars: set, wanted: list) -> tuple[dict, Callable | None, list]:
+        """(position of each (id(atom), ranging) in the result, f(e, X) computing the widths, the
+        (X name, extent) of the loops f reads)."""
+        # split lengths (L..) and region sizes (R..) are at least 1, unroll depths (P..) at least 0
+        floors = {name: 1 if name[0] in "LR" else 0 for name in self._names.values()}
+        comp = IntervalCompiler({**self._names, **self._loop_names}, loop_vars, floors)
+        index: dict = {}
+        outputs: list[str] = []
+        for a, ranging in wanted:
+            key = (id(a), ranging)
+            if key not in index:
+                lo, hi = comp.bound(a, ranging)
+                index[key] = len(outputs)
+                outputs.append(f"np.abs(({hi}) - ({lo}))")
+        if not outputs:
+            return index, None, []
+        source = "\n".join(comp.lines + outputs)
+        fn = _BOUNDS_FUNCTIONS.get(source)
+        if fn is None:
+            if len(_BOUNDS_FUNCTIONS) >= 4096:
+                _BOUNDS_FUNCTIONS.clear()
+            fn = _BOUNDS_FUNCTIONS[source] = comp.function(outputs)
+        read = set(re.findall(r"X\['(\w+)'\]", source))
+        return index, fn, [(x, self.ext[v]) for v, x in self._loop_names.items() if x in read]
 
     def _atom_positions(self, a, loops: list) -> list[int]:
         return sorted(k for k, (v, _, _) in enumerate(loops) if v in self._atom_vars[id(a)])
@@ -394,12 +541,11 @@ class FeatureTemplate:
     def _ranging(self, a, loops: list, start: int) -> frozenset:
         return frozenset(v for v, _, _ in loops[start:] if v in self._atom_vars[id(a)])
 
-    def _atom_widths(self, env: dict, vals: tuple, m: int) -> tuple:
-        if self._atom_fn is None:
+    def _atom_widths(self, fn: Callable | None, loops: list, env: dict, vals: tuple, m: int) -> tuple:
+        if fn is None:
             return ()
         ones = np.ones(m, dtype=np.int64)
-        X = {name: np.asarray(self._value(self.ext[v], vals)) * ones for v, name in self._loop_names.items()}
-        return self._atom_fn(env, X)
+        return fn(env, {name: np.asarray(self._value(x, vals)) * ones for name, x in loops})
 
     # -------------------------------------------------------------------------------- evaluation
 
@@ -411,244 +557,372 @@ class FeatureTemplate:
     def __call__(self, numbers: np.ndarray) -> np.ndarray:
         """numbers: [m, len(slots)] -> features [m, n_stores, 164]."""
         m = numbers.shape[0]
-        env = {v.name: numbers[:, j].astype(np.int64) for j, v in enumerate(self._slot_syms)}
+        env = dict(zip((v.name for v in self._slot_syms), np.asarray(numbers, dtype=np.int64).T.copy()))
         ones = np.ones(m, dtype=np.int64)
-        for syms in self.region_syms.values():       # provisional, refined below
-            for v in syms:
+        for region in self.region_syms.values():     # provisional, refined below
+            for v in region:
                 env[v.name] = ones
         vals = self._fn(env)
-        W = self._atom_widths(env, vals, m)
-        # regions of attached stages, consumers first (they come later in stage order)
-        for name in reversed(self.stage_names):
-            if name not in self.region_syms:
-                continue
-            shape = self._tensor_shapes[name]
-            start = next(st.n_enclosing for st in self.stores if st.stage == name)
+        for shape, syms, dims in self._regions:        # refine them, consumers first
+            RW = self._atom_widths(self._region_fn, self._region_x, env, vals, m)
             widths = [np.zeros(m, dtype=np.int64) for _ in shape]
-            for store, acc in self.readers[name]:
-                loop_ext = [np.asarray(self._value(self.ext[v], vals)) * ones for v, _, _ in store.loops]
-                for d, lin in enumerate(acc.dims):
-                    widths[d] = np.maximum(widths[d], self._width(lin, store.loops, loop_ext, start, vals, W, m))
-            for d, sym in enumerate(self.region_syms[name]):
-                env[sym.name] = np.clip(widths[d] + 1, 1, shape[d])
+            for d, terms, atoms in dims:               # the span of each reader's index inside the attach point
+                w = np.zeros(m, dtype=np.int64)
+                for c, x in terms:
+                    w = w + np.abs(np.asarray(self._value(c, vals))) * (np.asarray(self._value(x, vals)) * ones - 1)
+                for i in atoms:
+                    w = w + RW[i]
+                widths[d] = np.maximum(widths[d], w)
+            for d, sym in enumerate(syms):
+                env[sym] = np.minimum(np.maximum(widths[d] + 1, 1), shape[d])   # np.clip, without its overhead
             vals = self._fn(env)
-            W = self._atom_widths(env, vals, m)
-        self._W = W
-        ext = np.empty((len(self._ext_rows), m))          # every loop's extent, once for all stores
-        for v, row in self._ext_rows.items():
-            ext[row] = self._value(self.ext[v], vals)
-        shapes = np.empty((len(self._shape_rows), m))     # every buffer dimension's size
-        for (buf, d), row in self._shape_rows.items():
-            shapes[row] = self._shape_value(buf, d, env)
-        raw = np.stack([self._store_features(s, vals, env, ext, shapes, m) for s in self.stores])   # [stores, 164, m]
+        W = self._atom_widths(self._atom_fn, self._atom_x, env, vals, m)
+        raw = self._features(vals, W, env, m)                # [stores, 164, m]
         logged = np.sign(raw) * np.log2(np.abs(raw) + 1)
         out = np.where(_ONEHOT[None, :, None], raw, logged)
         return out.transpose(2, 0, 1)
 
-    def _width(self, lin: Linear, loops: list, ext: list, start: int, vals: tuple, W: tuple, m: int):
-        """Span of one index dimension when the loops from `start` inward vary (outer loops fixed)."""
-        w = np.zeros(m, dtype=np.int64)
-        for k in range(start, len(loops)):
-            v = loops[k][0]
-            if v in lin.coef:
-                w = w + np.abs(np.asarray(self._value(lin.coef[v], vals))) * (ext[k] - 1)
-        for a in lin.atoms:
-            w = w + W[self._atom_index[(id(a), self._ranging(a, loops, start))]]
-        return w
+    def _features(self, vals: tuple, W: tuple, env: dict, m: int) -> np.ndarray:
+        """The raw features [stores, 164, m] of every store at once: a fixed number of numpy operations
+        on stacked arrays (stores x loops, buffer accesses x dims x loop levels), whatever the structure.
 
-    def _plan(self, s: _Store) -> dict:
-        """What about a store's features is structural, decided once per template."""
-        plan = s.plan
-        if plan is not None:
-            return plan
-        n = len(s.loops)
-        ann = [a for _, a, _ in s.loops]
-        plan = {"kinds": {k: [i for i, a in enumerate(ann) if a == k] for k in ("vectorize", "unroll", "parallel")},
-                "gpu": {a: i for i, a in enumerate(ann) if a in _GPU_AXES},
-                "vthread": [i for i, a in enumerate(ann) if a == "vthread"],
-                "unroll": next((u for _, _, u in reversed(s.loops) if u is not None), None),
-                "accesses": [], "spans": []}
-        plan["loop_rows"] = np.array([self._ext_rows[v] for v, _, _ in s.loops], dtype=np.intp)
-        plan["shape_rows"] = [np.array([self._shape_rows[(acc.buffer, d)] for d in range(len(acc.dims))],
-                                       dtype=np.intp) for acc in s.accesses]
-        plan["alloc_rows"] = plan["shape_rows"][0] if s.accesses else None
-        pos = {v: k for k, (v, _, _) in enumerate(s.loops)}
-        for acc in s.accesses:
-            dims = [([(pos[v], c) for v, c in lin.coef.items() if v in pos], lin) for lin in acc.dims]
-            stride = None              # (loop index, dim, coefficient or None for a non-linear use)
-            for i in range(n - 1, -1, -1):
-                var = s.loops[i][0]
-                for d in range(len(acc.dims) - 1, -1, -1):
-                    lin = acc.dims[d]
-                    if var in lin.coef:
-                        stride = (i, d, lin.coef[var])
-                    elif any(var in self._atom_vars[id(x)] for x in lin.atoms):
-                        stride = (i, d, None)
-                    if stride:
-                        break
-                if stride:
-                    break
-            reuse = next((i for i in range(n - 1, -1, -1) if not self._uses(acc, s.loops[i][0])), None)
-            plan["accesses"].append((dims, stride, reuse))
-            # every (dim, loop, coefficient) of the access at once, for one vectorised span computation
-            terms = [(d, k, c) for d, (ts, _) in enumerate(dims) for k, c in ts]
-            plan["spans"].append((np.array([d for d, _, _ in terms], dtype=np.intp),
-                                  np.array([k for _, k, _ in terms], dtype=np.intp), [c for _, _, c in terms],
-                                  [(d, lin) for d, (_, lin) in enumerate(dims) if lin.atoms]))
-        s.plan = plan
-        return plan
-
-    def _store_features(self, s: _Store, vals: tuple, env: dict, ext: np.ndarray, all_shapes: np.ndarray,
-                        m: int) -> np.ndarray:
-        plan = self._plan(s)
-        n = len(s.loops)
-        out = np.zeros((N_FEATURES, m))
-        E = ext[plan["loop_rows"]]                                  # [n, m]
-        outer = E.prod(axis=0) if n else np.ones(m)
+        Everything structural (which loop a product runs over, where a value goes) is an index array of
+        `_Batch`, made once per template. Products and sums here only ever combine integers (extents,
+        sizes, coefficients, bytes: exact in float64 below 2**53), so padding with ones and zeros and
+        stacking leave them bit for bit what a store-by-store loop computes; every operation on
+        fractions (cache lines, reuse ratios, the curve) is the same elementwise formula."""
+        b = self._batch
+        S, A, N, D = b.n_stores, b.n_access, b.n_loops, b.n_dims
+        V = np.empty((b.n_vrows, m))           # every extent and coefficient, then constants, 1 and 0
+        for i, x in enumerate(vals):
+            V[i] = x
+        V[len(vals):] = b.consts[:, None]
+        SH = np.empty((len(b.shape_consts), m))  # every buffer dimension's size, then 1
+        SH[:] = b.shape_consts[:, None]
+        for row, name in b.shape_env:
+            SH[row] = env[name]
+        E = V[b.loop_v]                                   # [S, N, m] loop extents (1 past a store's own)
+        P = V[b.prod_v].prod(axis=1)                      # [rows, m] products of sets of extents
+        Q = SH[b.shape_prod].prod(axis=1)                 # [rows, m] products of sets of buffer dims
+        outer = P[:S]
+        out = np.empty((S, N_FEATURES, m))
+        out[:] = b.static[:, :, None]
         ops_at = OFFSET["ops"]
-        out[ops_at:ops_at + len(OP_FIELDS)] = np.asarray(s.ops.vector(), dtype=np.float64)[:, None] * outer
-        for kind, group in _ANNOTATION_GROUPS:
-            row, col = OFFSET[group], COLUMN[group]
-            idx = plan["kinds"][kind]
-            if idx:
-                out[row + col["num"]] = len(idx)
-                out[row + col["prod"]] = E[idx].prod(axis=0)
-                out[row + col["len"]] = E[idx[-1]]
-                out[row + col["type.kPosMixed"]] = 1.0
-            else:
-                out[row + col["type.kPosNone"]] = 1.0
-        row, col = OFFSET["gpu"], COLUMN["gpu"]
-        out[row + col["is_gpu"]] = float(self.is_gpu)
-        for axis in _GPU_AXES:
-            out[row + col[axis.replace(".", "_") + "_len"]] = E[plan["gpu"][axis]] if axis in plan["gpu"] else 1.0
-        out[row + col["vthread_len"]] = E[plan["vthread"]].prod(axis=0) if plan["vthread"] else 1.0
-        # ---- buffer accesses: touched elements at every level (loops i.. vary), i = 0..n
-        touched, region0, shapes = [], [], []
-        for acc, rows, (dim_of, loop_of, coefs, atom_dims) in zip(s.accesses, plan["shape_rows"], plan["spans"]):
-            shapes.append(all_shapes[rows])
-            # span[d, i]: how far index dim d moves while loops i.. vary (outer ones fixed)
-            contrib = np.zeros((len(acc.dims), n + 1, m))
-            if coefs:
-                coef = np.empty((len(coefs), m))
-                for j, c in enumerate(coefs):
-                    coef[j] = self._value(c, vals)
-                contrib[dim_of, loop_of] = np.abs(coef) * (E[loop_of] - 1)
-            span = np.cumsum(contrib[:, ::-1], axis=1)[:, ::-1]
-            for d, lin in atom_dims:
-                span[d] += self._atom_suffix(lin, s.loops, m)
-            touched.append(np.prod(span + 1, axis=0))
-            region0.append(list(span[:, 0] + 1))
-        eb = np.array([acc.ele_bytes for acc in s.accesses], dtype=np.float64)
-        mem = np.tensordot(eb, np.array(touched), axes=1) if touched else np.zeros((n + 1, m))   # [n+1, m]
-        buf_feats, keys = [], []
-        for a, (acc, (dims, stride_at, reuse_at)) in enumerate(zip(s.accesses, plan["accesses"])):
-            e = eb[a]
-            bytes_ = outer * e
-            unique = touched[a][0] * e if n else np.full(m, e)
-            if stride_at is None:
-                stride, reduce_ratio, found = np.zeros(m), E.prod(axis=0) if n else np.ones(m), n
-            else:
-                i, d, c = stride_at
-                below = np.prod(shapes[a][d + 1:], axis=0) if d + 1 < len(shapes[a]) else np.ones(m)
-                stride = (np.abs(self._value(c, vals)) if c is not None else 1.0) * below
-                reduce_ratio = E[i + 1:].prod(axis=0) if i + 1 < n else np.ones(m)
-                found = i
-            lines = np.maximum(outer / reduce_ratio * np.minimum(1.0, stride * e / self.cache_line), 1.0)
-            n_cont = np.full(m, e)
-            done = np.zeros(m, dtype=bool)
-            for d in range(len(region0[a]) - 1, -1, -1):
-                hit = (~done) & (region0[a][d] == shapes[a][d])
-                n_cont = np.where(hit, e * region0[a][d], n_cont)
-                done |= hit
-            unique_lines = np.maximum(unique / np.minimum(n_cont, self.cache_line), 1.0) if n else np.ones(m)
-            f = np.zeros((len(BUFFER_FIELDS), m))
-            f[BUF[("acc_type.kRead", "acc_type.kWrite", "acc_type.kReadWrite")[min(acc.acc_type, 2)]]] = 1.0
-            sizes = {"bytes": bytes_, "unique_bytes": unique, "lines": lines, "unique_lines": unique_lines}
-            for name, x in sizes.items():
-                f[BUF[name]] = x
-            if reuse_at is None:
-                f[BUF["reuse_type.kNoReuse"]] = 1.0
-            else:
-                r = reuse_at
-                f[BUF["reuse_type.kLoopMultipleRead"]] = 1.0
-                f[BUF["reuse_dis_iter"]] = E[r + 1:].prod(axis=0) if r + 1 < n else 1.0
-                f[BUF["reuse_dis_bytes"]] = mem[r + 1] if r + 1 < n else eb.sum()
-                f[BUF["reuse_ct"]] = E[r]
-            ct = f[BUF["reuse_ct"]]
-            big = ct > 0.5
-            safe = np.where(big, ct, 1.0)
-            for name, x in sizes.items():
-                f[BUF[f"{name}_d_reuse_ct"]] = np.where(big, x / safe, x * 2)
-            f[BUF["stride"]] = stride if found == n - 1 else 0.0
-            buf_feats.append(f)
-            keys.append((lines, bytes_))
+        out[:, ops_at:ops_at + len(OP_FIELDS)] = b.opvec[:, :, None] * outer[:, None, :]
+        out[b.dyn_store, b.dyn_col] = np.concatenate([P, V[b.pick_v]])[b.dyn_src]
+        # ---- buffer accesses: span of each index dim while loops i.. vary (outer ones fixed), i = 0..n
+        sa = b.acc_store
+        contrib = np.zeros((A, D, N + 1, m))
+        if len(b.term_v):
+            contrib[b.term_acc, b.term_dim, b.term_loop] = np.abs(V[b.term_v]) * (E[sa[b.term_acc], b.term_loop] - 1)
+        span = np.cumsum(contrib[:, :, ::-1], axis=2)[:, :, ::-1]
+        if b.atom_matrix is not None:
+            Wm = np.empty((len(W), m))
+            for i, w in enumerate(W):
+                Wm[i] = w
+            span = np.ascontiguousarray(span)
+            span.reshape(A * D * (N + 1), m)[b.atom_rows] += b.atom_matrix @ Wm
+        touched = np.prod(span + 1, axis=1)               # [A, N+1, m]
+        region0 = span[:, :, 0] + 1                       # [A, D, m]
+        mem = (b.eb_matrix @ touched.reshape(A, -1)).reshape(S, N + 1, m)
+        eb = b.eb[:, None]
+        bytes_ = outer[sa] * eb
+        unique = touched[:, 0] * eb
+        stride = np.abs(V[b.stride_v]) * Q[b.below_at]
+        lines = np.maximum(outer[sa] / P[b.reduce_at] * np.minimum(1.0, stride * eb / self.cache_line), 1.0)
+        n_cont = np.broadcast_to(eb, (A, m))
+        if D:
+            hit = (region0 == SH[b.acc_shape]) & b.dim_valid[:, :, None]
+            last = D - 1 - np.argmax(hit[:, ::-1], axis=1)
+            at_last = region0[np.arange(A)[:, None], last, np.arange(m)]
+            n_cont = np.where(hit.any(axis=1), eb * at_last, eb)
+        unique_lines = np.where(b.has_loops[:, None], np.maximum(unique / np.minimum(n_cont, self.cache_line), 1.0),
+                                1.0)
+        F = np.empty((A, len(BUFFER_FIELDS), m))
+        F[:] = b.buf_static[:, :, None]
+        sizes = {"bytes": bytes_, "unique_bytes": unique, "lines": lines, "unique_lines": unique_lines}
+        for name, x in sizes.items():
+            F[:, BUF[name]] = x
+        reuse = b.has_reuse[:, None]
+        F[:, BUF["reuse_dis_iter"]] = np.where(reuse, P[b.dis_iter_at], 0.0)
+        mem_rows = mem.reshape(S * (N + 1), m)
+        F[:, BUF["reuse_dis_bytes"]] = np.where(b.dis_from_mem[:, None], mem_rows[b.dis_mem_row], b.dis_const[:, None])
+        ct = np.where(reuse, V[b.ct_v], 0.0)
+        F[:, BUF["reuse_ct"]] = ct
+        big = ct > 0.5
+        safe = np.where(big, ct, 1.0)
+        for name, x in sizes.items():
+            F[:, BUF[f"{name}_d_reuse_ct"]] = np.where(big, x / safe, x * 2)
+        F[:, BUF["stride"]] = np.where(b.stride_feature[:, None], stride, 0.0)
+        # ---- the MAX_N_BUFS accesses of each store with most (lines, bytes), zero-padded
+        slots = (sa, b.acc_slot)
+        Fp = np.zeros((S, b.max_access, len(BUFFER_FIELDS), m))
+        Fp[slots] = F
+        neg_lines = np.full((S, b.max_access, m), np.inf)
+        neg_bytes = np.full((S, b.max_access, m), np.inf)
+        neg_lines[slots], neg_bytes[slots] = -lines, -bytes_
+        order = np.lexsort((neg_bytes, neg_lines), axis=1)[:, :MAX_N_BUFS]          # [S, <=5, m]
+        picked = Fp[np.arange(S)[:, None, None, None], order[:, :, None, :], np.arange(len(BUFFER_FIELDS))[:, None],
+                    np.arange(m)]
         row = OFFSET["buffers"]
-        out[row:row + len(BUFFER_FIELDS) * MAX_N_BUFS] = self._top_buffers(buf_feats, keys, m)
-        cur = s.ops.float_ops
-        if cur > 0 and n:
-            ops = cur * np.cumprod(E[::-1], axis=0)                     # innermost first
-            out[OFFSET["curve"]:OFFSET["curve"] + CURVE_N] = self._curve(ops, mem[n - 1::-1][:n], cur, m)
-        row, col = OFFSET["alloc"], COLUMN["alloc"]
-        if s.alloc:
-            acc0 = s.accesses[0]
-            elems = all_shapes[plan["alloc_rows"]].prod(axis=0)
-            alloc_outer = E[:s.n_enclosing].prod(axis=0) if s.n_enclosing else np.ones(m)
-            out[row + col["alloc_size"]] = elems * acc0.ele_bytes
-            out[row + col["alloc_prod"]] = elems * alloc_outer
-            out[row + col["alloc_outer_prod"]] = alloc_outer
-            out[row + col["alloc_inner_prod"]] = outer / alloc_outer
-        u = plan["unroll"]
-        out[row + col["outer_prod"]], out[row + col["num_loops"]] = outer, n
-        out[row + col["auto_unroll_max_step"]] = (env[u.name] if isinstance(u, Var) else u) if u is not None else 0.0
+        out[:, row:row + picked.shape[1] * len(BUFFER_FIELDS)] = picked.reshape(S, -1, m)   # the rest stays 0
+        # ---- arithmetic intensity (ops / bytes) at CURVE_N evenly spaced op counts, innermost level first
+        if len(b.curve_store):
+            cs = b.curve_store
+            ops = b.curve_ops[:, None, None] * np.cumprod(V[b.curve_v], axis=1)      # [C, N, m]
+            ratio = ops / np.maximum(mem[cs[:, None], b.curve_level], 1e-9)
+            x = ops[np.arange(len(cs)), b.curve_n - 1][:, None, :] * _CURVE_AT[None]  # [C, CURVE_N, m]
+            pt = np.argmax(ops[:, :, None, :] >= x[:, None] - 1e-4, axis=1)          # [C, CURVE_N, m]
+            prev = np.maximum(pt - 1, 0)
+            at = (np.arange(len(cs))[:, None, None], prev, np.arange(m))      # take_along_axis, without its overhead
+            base, ops_prev = ratio[at], ops[at]
+            at = (at[0], pt, at[2])
+            denom = ops[at] - ops_prev
+            safe = np.where(denom != 0, denom, 1)
+            slope = np.where(denom != 0, (ratio[at] - base) / safe, 0)
+            out[cs, OFFSET["curve"]:OFFSET["curve"] + CURVE_N] = np.where(pt == 0, ratio[:, :1],
+                                                                          base + slope * (x - ops_prev))
+        # ---- allocation of the stage's own buffer (its first access)
+        if len(b.alloc_store):
+            al = b.alloc_store
+            row, col = OFFSET["alloc"], COLUMN["alloc"]
+            elems, alloc_outer = Q[b.elems_at], P[b.alloc_outer_at]
+            out[al, row + col["alloc_size"]] = elems * b.alloc_bytes[:, None]
+            out[al, row + col["alloc_prod"]] = elems * alloc_outer
+            out[al, row + col["alloc_outer_prod"]] = alloc_outer
+            out[al, row + col["alloc_inner_prod"]] = outer[al] / alloc_outer
+        for s, name in b.unroll_env:
+            out[s, OFFSET["alloc"] + COLUMN["alloc"]["auto_unroll_max_step"]] = env[name]
         return out
 
-    def _shape_value(self, buf: str, d: int, env: dict):
-        x = self.shapes[buf][d] if buf in self.shapes else 1
-        return env[x.name] if isinstance(x, Var) else x
+    def _make_batch(self) -> "_Batch":
+        """What about the stores' features is structural, as index arrays for `_features` (made once)."""
+        stores = self.stores
+        consts: dict = {}
+        n_exprs = len(self._exprs)
+
+        def vrow(x) -> int:
+            """The row of V that holds `x` (a compiled expression, or a number)."""
+            if isinstance(x, (int, float)):
+                return consts.setdefault(x, n_exprs + len(consts))
+            return self._index[id(x)]
+
+        one, zero = vrow(1), vrow(0)
+        S, N = len(stores), max((len(s.loops) for s in stores), default=0)
+        loop_v = [[vrow(self.ext[v]) for v, _, _ in s.loops] + [one] * (N - len(s.loops)) for s in stores]
+        prods: list[list[int]] = []              # rows of V[prod_v]: sets of loops whose extents multiply
+
+        def prod(si: int, ks) -> int:
+            r = [one] * N
+            for k in ks:
+                r[k] = loop_v[si][k]
+            prods.append(r)
+            return len(prods) - 1
+
+        for si, s in enumerate(stores):
+            prod(si, range(len(s.loops)))        # row si: the store's outer product
+        shape_consts: list[float] = []
+        shape_env: list[tuple[int, str]] = []
+        shape_row: dict[tuple[str, int], int] = {}
+        for s in stores:
+            for acc in s.accesses:
+                for d in range(len(acc.dims)):
+                    if (acc.buffer, d) not in shape_row:
+                        x = self.shapes[acc.buffer][d] if acc.buffer in self.shapes else 1
+                        shape_row[(acc.buffer, d)] = len(shape_consts)
+                        if isinstance(x, Var):
+                            shape_env.append((len(shape_consts), x.name))
+                            shape_consts.append(0.0)
+                        else:
+                            shape_consts.append(float(x))
+        shape_one = len(shape_consts)
+        shape_consts.append(1.0)
+        D = max((len(acc.dims) for s in stores for acc in s.accesses), default=0)
+        shape_prods: list[list[int]] = []
+
+        def shape_prod(rows: list[int]) -> int:
+            shape_prods.append(rows + [shape_one] * (D - len(rows)))
+            return len(shape_prods) - 1
+
+        static = np.zeros((S, N_FEATURES))
+        dyn: list[tuple[int, int, str, int]] = []    # (store, column, "P" or "V", row)
+        opvec = np.array([s.ops.vector() for s in stores], dtype=np.float64).reshape(S, len(OP_FIELDS))
+        acc_store: list[int] = []
+        acc_slot: list[int] = []
+        acc_shape: list[list[int]] = []
+        dim_valid: list[list[bool]] = []
+        eb: list[float] = []
+        has_loops: list[bool] = []
+        term_acc: list[int] = []
+        term_dim: list[int] = []
+        term_loop: list[int] = []
+        term_v: list[int] = []
+        stride_v: list[int] = []
+        below_at: list[int] = []
+        reduce_at: list[int] = []
+        stride_feature: list[bool] = []
+        has_reuse: list[bool] = []
+        dis_iter_at: list[int] = []
+        dis_from_mem: list[bool] = []
+        dis_mem_row: list[int] = []
+        dis_const: list[float] = []
+        ct_v: list[int] = []
+        buf_static: list[np.ndarray] = []
+        atoms: list[tuple[int, int, int, int]] = []     # (access, dim, level, W row): W adds there
+        curve_store, curve_ops, curve_v, curve_level, curve_n = [], [], [], [], []
+        alloc_store, elems_at, alloc_outer_at, alloc_bytes = [], [], [], []
+        unroll_env: list[tuple[int, str]] = []
+        for si, s in enumerate(stores):
+            n = len(s.loops)
+            ann = [a for _, a, _ in s.loops]
+            for kind, group in _ANNOTATION_GROUPS:
+                row, col = OFFSET[group], COLUMN[group]
+                idx = [i for i, a in enumerate(ann) if a == kind]
+                if idx:
+                    static[si, row + col["num"]] = len(idx)
+                    dyn.append((si, row + col["prod"], "P", prod(si, idx)))
+                    dyn.append((si, row + col["len"], "V", loop_v[si][idx[-1]]))
+                    static[si, row + col["type.kPosMixed"]] = 1.0
+                else:
+                    static[si, row + col["type.kPosNone"]] = 1.0
+            row, col = OFFSET["gpu"], COLUMN["gpu"]
+            static[si, row + col["is_gpu"]] = float(self.is_gpu)
+            gpu = {a: i for i, a in enumerate(ann) if a in _GPU_AXES}
+            for axis in _GPU_AXES:
+                c = row + col[axis.replace(".", "_") + "_len"]
+                if axis in gpu:
+                    dyn.append((si, c, "V", loop_v[si][gpu[axis]]))
+                else:
+                    static[si, c] = 1.0
+            vthread = [i for i, a in enumerate(ann) if a == "vthread"]
+            if vthread:
+                dyn.append((si, row + col["vthread_len"], "P", prod(si, vthread)))
+            else:
+                static[si, row + col["vthread_len"]] = 1.0
+            pos = {v: k for k, (v, _, _) in enumerate(s.loops)}
+            eb_sum = float(np.sum(np.array([acc.ele_bytes for acc in s.accesses], dtype=np.float64)))
+            for j, acc in enumerate(s.accesses):
+                a = len(acc_store)
+                acc_store.append(si)
+                acc_slot.append(j)
+                rows = [shape_row[(acc.buffer, d)] for d in range(len(acc.dims))]
+                acc_shape.append(rows + [shape_one] * (D - len(rows)))
+                dim_valid.append([True] * len(rows) + [False] * (D - len(rows)))
+                eb.append(float(acc.ele_bytes))
+                has_loops.append(n > 0)
+                for d, lin in enumerate(acc.dims):
+                    for v, c in lin.coef.items():
+                        if v in pos:
+                            term_acc.append(a)
+                            term_dim.append(d)
+                            term_loop.append(pos[v])
+                            term_v.append(vrow(c))
+                    for x in lin.atoms:
+                        prev = -1
+                        for p in self._atom_positions(x, s.loops):
+                            w = self._atom_index[(id(x), self._ranging(x, s.loops, p))]
+                            atoms += [(a, d, level, w) for level in range(prev + 1, p + 1)]
+                            prev = p
+                stride = None              # (loop index, dim, coefficient or None for a non-linear use)
+                for i in range(n - 1, -1, -1):
+                    var = s.loops[i][0]
+                    for d in range(len(acc.dims) - 1, -1, -1):
+                        lin = acc.dims[d]
+                        if var in lin.coef:
+                            stride = (i, d, lin.coef[var])
+                        elif any(var in self._atom_vars[id(x)] for x in lin.atoms):
+                            stride = (i, d, None)
+                        if stride:
+                            break
+                    if stride:
+                        break
+                if stride is None:
+                    stride_v.append(zero)
+                    below_at.append(shape_prod([]))
+                    reduce_at.append(si)
+                    stride_feature.append(False)
+                else:
+                    i, d, c = stride
+                    stride_v.append(one if c is None else vrow(c))
+                    below_at.append(shape_prod(rows[d + 1:]))
+                    reduce_at.append(prod(si, range(i + 1, n)))
+                    stride_feature.append(i == n - 1)
+                f = np.zeros(len(BUFFER_FIELDS))
+                f[BUF[("acc_type.kRead", "acc_type.kWrite", "acc_type.kReadWrite")[min(acc.acc_type, 2)]]] = 1.0
+                r = next((i for i in range(n - 1, -1, -1) if not self._uses(acc, s.loops[i][0])), None)
+                has_reuse.append(r is not None)
+                if r is None:
+                    f[BUF["reuse_type.kNoReuse"]] = 1.0
+                    dis_iter_at.append(0)
+                    dis_from_mem.append(False)
+                    dis_mem_row.append(0)
+                    dis_const.append(0.0)
+                    ct_v.append(zero)
+                else:
+                    f[BUF["reuse_type.kLoopMultipleRead"]] = 1.0
+                    dis_iter_at.append(prod(si, range(r + 1, n)))
+                    dis_from_mem.append(r + 1 < n)
+                    dis_mem_row.append(si * (N + 1) + r + 1 if r + 1 < n else 0)
+                    dis_const.append(0.0 if r + 1 < n else eb_sum)
+                    ct_v.append(loop_v[si][r])
+                buf_static.append(f)
+            if s.ops.float_ops > 0 and n:
+                curve_store.append(si)
+                curve_ops.append(float(s.ops.float_ops))
+                curve_v.append([loop_v[si][n - 1 - j] if j < n else one for j in range(N)])
+                curve_level.append([n - 1 - j if j < n else 0 for j in range(N)])
+                curve_n.append(n)
+            if s.alloc:
+                first = s.accesses[0]
+                alloc_store.append(si)
+                elems_at.append(shape_prod([shape_row[(first.buffer, d)] for d in range(len(first.dims))]))
+                alloc_outer_at.append(prod(si, range(s.n_enclosing)))
+                alloc_bytes.append(float(first.ele_bytes))
+            row, col = OFFSET["alloc"], COLUMN["alloc"]
+            dyn.append((si, row + col["outer_prod"], "P", si))
+            static[si, row + col["num_loops"]] = n
+            u = next((u for _, _, u in reversed(s.loops) if u is not None), None)
+            if isinstance(u, Var):
+                unroll_env.append((si, u.name))
+            else:
+                static[si, row + col["auto_unroll_max_step"]] = u if u is not None else 0.0
+        A = len(acc_store)
+        atom_rows = sorted({(a * D + d) * (N + 1) + level for a, d, level, _ in atoms})
+        atom_matrix = None
+        if atoms:
+            at_row = {r: i for i, r in enumerate(atom_rows)}
+            atom_matrix = np.zeros((len(atom_rows), len(self._atom_index)))
+            for a, d, level, w in atoms:
+                atom_matrix[at_row[(a * D + d) * (N + 1) + level], w] += 1.0
+        eb_matrix = np.zeros((S, A))
+        eb_matrix[acc_store, np.arange(A)] = eb
+        n_p = len(prods)
+        ints = lambda xs: np.array(xs, dtype=np.intp)  # noqa: E731
+        return _Batch(
+            n_stores=S, n_access=A, n_loops=N, n_dims=D, n_vrows=n_exprs + len(consts),
+            consts=np.array(list(consts), dtype=np.float64), shape_consts=np.array(shape_consts),
+            shape_env=shape_env, loop_v=np.array(loop_v, dtype=np.intp).reshape(S, N),
+            prod_v=np.array(prods, dtype=np.intp).reshape(n_p, N),
+            shape_prod=np.array(shape_prods, dtype=np.intp).reshape(len(shape_prods), D),
+            static=static, opvec=opvec, dyn_store=ints([x[0] for x in dyn]), dyn_col=ints([x[1] for x in dyn]),
+            pick_v=ints([x[3] for x in dyn if x[2] == "V"]),
+            dyn_src=ints(_dyn_sources(dyn, n_p)),
+            acc_store=ints(acc_store), acc_slot=ints(acc_slot), acc_shape=ints(acc_shape).reshape(A, D),
+            dim_valid=np.array(dim_valid, dtype=bool).reshape(A, D), eb=np.array(eb), has_loops=np.array(has_loops),
+            term_acc=ints(term_acc), term_dim=ints(term_dim), term_loop=ints(term_loop), term_v=ints(term_v),
+            atom_rows=ints(atom_rows), atom_matrix=atom_matrix, eb_matrix=eb_matrix, stride_v=ints(stride_v),
+            below_at=ints(below_at), reduce_at=ints(reduce_at), stride_feature=np.array(stride_feature, dtype=bool),
+            has_reuse=np.array(has_reuse, dtype=bool), dis_iter_at=ints(dis_iter_at),
+            dis_from_mem=np.array(dis_from_mem, dtype=bool), dis_mem_row=ints(dis_mem_row),
+            dis_const=np.array(dis_const), ct_v=ints(ct_v), buf_static=np.array(buf_static).reshape(A, -1),
+            max_access=max((len(s.accesses) for s in stores), default=0),
+            curve_store=ints(curve_store), curve_ops=np.array(curve_ops), curve_v=ints(curve_v).reshape(-1, N),
+            curve_level=ints(curve_level).reshape(-1, N), curve_n=ints(curve_n), alloc_store=ints(alloc_store),
+            elems_at=ints(elems_at), alloc_outer_at=ints(alloc_outer_at), alloc_bytes=np.array(alloc_bytes),
+            unroll_env=unroll_env)
 
     def _uses(self, acc: _Access, var: Var) -> bool:
         return any(var in lin.coef or any(var in self._atom_vars[id(a)] for a in lin.atoms) for lin in acc.dims)
-
-    def _atom_suffix(self, lin: Linear, loops: list, m: int) -> np.ndarray:
-        """Span of the non-linear index parts at each level; it only changes where one of an atom's
-        loop variables starts to vary, so each atom is bounded once per such position."""
-        out = np.zeros((len(loops) + 1, m))
-        for a in lin.atoms:
-            prev = -1
-            for p in self._atom_positions(a, loops):
-                out[prev + 1:p + 1] += self._W[self._atom_index[(id(a), self._ranging(a, loops, p))]]
-                prev = p
-        return out
-
-    @staticmethod
-    def _top_buffers(buf_feats: list, keys: list, m: int) -> np.ndarray:
-        """The MAX_N_BUFS accesses with most (lines, bytes), zero-padded: [fields * MAX_N_BUFS, m]."""
-        feats = np.stack(buf_feats)                       # [n_buf, 18, m]
-        lines = np.stack([k[0] for k in keys])            # [n_buf, m]
-        bytes_ = np.stack([k[1] for k in keys])
-        order = np.lexsort((-bytes_, -lines), axis=0)[:MAX_N_BUFS]   # [<=5, m]
-        picked = np.take_along_axis(feats, order[:, None, :], axis=0)
-        out = np.zeros((MAX_N_BUFS, len(BUFFER_FIELDS), m))
-        out[:picked.shape[0]] = picked
-        return out.reshape(MAX_N_BUFS * len(BUFFER_FIELDS), m)
-
-    @staticmethod
-    def _curve(ops: np.ndarray, mem: np.ndarray, cur_ops: float, m: int) -> np.ndarray:
-        """Arithmetic intensity (ops / bytes) interpolated at CURVE_N evenly spaced op counts: [CURVE_N, m].
-
-        `ops`, `mem`: [n, m], innermost loop level first (ops increasing)."""
-        if cur_ops <= 0 or not len(ops):
-            return np.zeros((CURVE_N, m))
-        ratio = ops / np.maximum(mem, 1e-9)
-        x = ops[-1] * (np.arange(1, CURVE_N + 1)[:, None] / CURVE_N)             # [CURVE_N, m]
-        pt = np.argmax(ops[:, None, :] >= x[None] - 1e-4, axis=0)                 # [CURVE_N, m]
-        prev = np.maximum(pt - 1, 0)
-        at = lambda a, rows: np.take_along_axis(a, rows, axis=0)  # noqa: E731
-        base, ops_prev = at(ratio, prev), at(ops, prev)
-        denom = at(ops, pt) - ops_prev
-        safe = np.where(denom != 0, denom, 1)
-        slope = np.where(denom != 0, (at(ratio, pt) - base) / safe, 0)
-        return np.where(pt == 0, ratio[0], base + slope * (x - ops_prev))
 
 
 class FeatureExtractor:

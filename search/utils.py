@@ -302,19 +302,24 @@ def stage_read_outside_its_loop(state: State) -> str | None:
 
 
 def has_nested_parallel(state: State) -> bool:
-    return any(_parallel_loops(state, i) >= 2 for i, s in enumerate(state.stages)
+    attached: dict[tuple[str, int], list[int]] = {}      # (stage, id of its loop variable) -> stages in it
+    for i, s in enumerate(state.stages):
+        if s.compute_at == "iter" and s.attach is not None:
+            attached.setdefault((s.attach[0], id(s.attach[1])), []).append(i)
+    return any(_parallel_loops(state, i, attached) >= 2 for i, s in enumerate(state.stages)
                if s.compute_at == "root" and not s.is_placeholder)
 
 
-def _parallel_loops(state: State, sid: int) -> int:
-    """Parallel loops in a stage and the stages computed inside it."""
+def _parallel_loops(state: State, sid: int, attached: dict[tuple[str, int], list[int]]) -> int:
+    """Parallel loops in a stage and the stages computed inside it (`attached`: the stages computed at
+    each loop, found once per state; asking `attached_stages` per loop scanned every stage each time)."""
     st = state.stages[sid]
     if st.compute_at == "inline":
         return 0
     n = 0
-    for i, it in enumerate(st.iters):
+    for it in st.iters:
         n += it.annotation == "parallel"
-        n += sum(_parallel_loops(state, a) for a in attached_stages(state, sid, i))
+        n += sum(_parallel_loops(state, a, attached) for a in attached.get((st.name, id(it.var)), ()))
     return n
 
 

@@ -127,6 +127,22 @@ def test_model_round_trips_through_bytes(measured):
     assert again.metrics.n_programs == 40
 
 
+def test_scores_are_what_the_booster_gives_through_a_dmatrix(measured):
+    """Prediction hands the rows to the booster in place; the scores are those of the DMatrix path,
+    every bit of them (the search's choices follow from their order)."""
+    import xgboost as xgb
+    task, cands, costs = measured
+    model = XGBModel(num_warmup_sample=0)
+    model.add(task, cands[:100], costs[:100])
+    model.fit()
+    feats = model.features(task, cands[100:])
+    pack = np.concatenate([np.full(len(f), i) for i, f in enumerate(feats)])
+    rows = model.booster.predict(xgb.DMatrix(np.concatenate(feats)),
+                                 iteration_range=(0, model.booster.best_iteration + 1))
+    assert np.array_equal(model.predict(task, cands[100:]), pack_sum(rows, pack, len(feats)))
+    assert len(set(model.predict(task, cands[100:]).tolist())) > 20        # scores that rank, not a constant
+
+
 def test_untrained_model_falls_back_to_random():
     task = make_task(make_dag("matmul", 32, 32, 32))
     cands = SketchPolicy(task, seed=0).sample(8)

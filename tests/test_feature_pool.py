@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -100,3 +101,28 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_helpers_leave_the_proposals_as_they_were():
+    """A policy proposes the same programs whether its model's features come from a helper (float32)
+    or from this process alone."""
+    from tensortune.search.cost_model import XGBModel
+    from tensortune.search.params import SearchParams
+    task = make_task(make_dag("conv2d_relu", 1, 14, 14, 16, 16, 3, 3, 1, 1))
+    train = SketchPolicy(task, seed=9).sample(80)
+    costs = [1e-3 * (1 + zlib.crc32(c.steps_json.encode()) % 97 / 97) for c in train]
+    params = SearchParams(population=256, sample_init_population=256, num_iters=2)
+    batches = []
+    for processes in (0, 1):
+        featurizer = Featurizer(processes=processes, min_batch=64)
+        try:
+            model = XGBModel(num_warmup_sample=0, features=featurizer, max_rounds=20)
+            model.update(task, train, costs)
+            policy = SketchPolicy(task, model, params, seed=4)
+            policy.preload(train, costs)
+            batches.append([c.steps_json for c in policy.next_batch(32)])
+            if processes:
+                assert _helper_pids(featurizer)
+        finally:
+            featurizer.close()
+    assert batches[0] == batches[1] and len(batches[0]) == 32
