@@ -9,6 +9,11 @@ costs its own record and never the Dask worker. A Dask worker that dies mid-roun
 scheduler reruns its futures elsewhere (after the nanny restarts it); results are fetched as each timing
 finishes, and a timing whose result died with its worker is submitted again, so no finished measurement
 is recorded as an error; a candidate whose futures finally fail still comes back as an error result.
+A scheduler that goes away mid-round takes all futures with it (workers shut down with it; whatever
+supervises them starts them again): the results already fetched are kept, and once the client has
+reconnected and a measure worker registered, the round starts over for the rest, builds included.
+If none comes back within `resource_wait`, the rest become error records that say so, and the next
+round fails at once with ClusterError (one line from the CLI) instead of waiting on a dead cluster.
 Only plain data crosses the wire: task JSON, step JSON, TimingConfig, and BuildResult/MeasureResult
 holding artifact bytes and floats.
 
@@ -23,13 +28,15 @@ import uuid
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from distributed import Client, Future, wait
+from distributed.client import ClosedClientError
 
 from tensortune.codegen.measure import BuildResult, LocalBuilder, LocalRunner, MeasureResult
 from tensortune.codegen.timing import ErrorCode, TimingConfig
-from tensortune.flows.dask_cluster import build_resource, measure_resource, require_resource
+from tensortune.flows.dask_cluster import ClusterError, build_resource, measure_resource, require_resource, workers_with
+from tensortune.flows.measure_targets import measure_node_targets, resolve_measure_target
 from tensortune.tasks.search_task import SearchTask
 
 # ------------------------------------------------------------------ worker side
@@ -79,6 +86,15 @@ def run_candidate(task_json: str, build: BuildResult, config: TimingConfig, time
 MAX_RESUBMITS = 3
 # a finished result's transfer from its worker; longer means the data is gone with the worker
 FETCH_SECONDS = 30.0
+# times a round starts over (builds and timings of its unfinished candidates) after the scheduler came back
+MAX_RESTARTS = 2
+# the reason Dask gives the futures it cancels when the client loses its scheduler
+_SCHEDULER_LOST = "scheduler-connection-lost"
+
+
+class SchedulerLost(Exception):
+    """The client lost its Dask scheduler mid-round: every future of the round went with it."""
+
 
 @dataclass
 class DaskStats:
@@ -87,6 +103,7 @@ class DaskStats:
     run_s: float = 0.0          # first timing submitted to last timing done
     lost: int = 0               # candidates whose futures failed for good (recorded as errors)
     resubmitted: int = 0        # timings submitted again because their result was lost with a worker
+    restarts: int = 0           # times the round started over because the scheduler went away
 
 
 class DaskMeasurer:
@@ -96,8 +113,14 @@ class DaskMeasurer:
     anyway, up to distributed.scheduler.allowed-failures times). round_timeout: seconds after which a
     batch's unfinished candidates become UNKNOWN_ERROR records (default: generous, from the per-candidate
     timeouts). resource_wait: seconds to wait for a worker with the measure resource (a restarting
-    worker) before failing with ClusterError. workers: the only workers that may time (the measure nodes
-    of the task's target, flows.measure_targets); empty: any worker with the resource.
+    worker, or a restarted scheduler and its workers) before failing with ClusterError. workers: the
+    only workers that may time (the measure nodes of the task's target, flows.measure_targets); empty:
+    any worker with the resource.
+
+    A scheduler that goes away mid-round takes every future with it (results already fetched are
+    kept). If the client reconnects and a worker with the resource registers within resource_wait, the
+    round starts over for its unfinished candidates, builds included; otherwise those candidates get
+    an error record saying so and the next measure() raises ClusterError, one line the CLI prints.
     """
 
     def __init__(self, client: Client, *, timing: TimingConfig = TimingConfig(), build_timeout: float = 15.0,
@@ -108,6 +131,8 @@ class DaskMeasurer:
         self.round_timeout, self.resource_wait, self.keep_source = round_timeout, resource_wait, keep_source
         self.workers = tuple(workers)              # timings only on these (the target's measure nodes); () = any
         self.stats = DaskStats()
+        # remembered: a client that gave up reconnecting forgets its scheduler, and the error names it
+        self._scheduler_address = client.scheduler.address if client.scheduler is not None else "?"
 
     def measure(self, task: SearchTask, steps_list: Sequence[str]) -> list[MeasureResult]:
         """One MeasureResult per program, in order; never fewer."""
@@ -117,40 +142,131 @@ class DaskMeasurer:
         builder = build_resource(task.target_kind)
         if builder is not None:
             require_resource(self.client, builder, wait=self.resource_wait)
-        tj, tag = task.to_json(), uuid.uuid4().hex[:10]
+        tj = task.to_json()
         deadline = time.monotonic() + self._round_timeout(len(steps_list))
-        t0 = time.perf_counter()
-        builds = [self.client.submit(build_candidate, tj, s, self.build_timeout, self.keep_source, pure=False,
-                                     retries=self.retries, key=f"build-{task.name}-{tag}-{i}",
-                                     resources={builder: 1} if builder else None)
-                  for i, s in enumerate(steps_list)]
-        self._wait(builds, deadline)                 # no build may share a node with a timing
-        t1 = time.perf_counter()
-        results, resubmitted = self._collect(self._run_submitter(task, tj, tag, resource, builds),
-                                             len(builds), deadline)
-        lost = sum(r.error_code == ErrorCode.UNKNOWN_ERROR and r.error_msg.startswith("dask:") for r in results)
-        self.stats = DaskStats(t1 - t0, time.perf_counter() - t1, lost, resubmitted)
+        stats = DaskStats()
+
+        def run(todo: list[int], out: dict[int, MeasureResult], tag: str) -> None:
+            t0 = time.perf_counter()
+            builds = {i: self._submit(build_candidate, tj, steps_list[i], self.build_timeout, self.keep_source,
+                                      pure=False, retries=self.retries, key=f"build-{task.name}-{tag}-{i}",
+                                      resources={builder: 1} if builder else None)
+                      for i in todo}
+            self._wait(list(builds.values()), deadline)     # no build may share a node with a timing
+            self._check_scheduler(builds.values())
+            t1 = time.perf_counter()
+            stats.build_s += t1 - t0
+            self._collect(self._run_submitter(task, tj, tag, resource, builds), todo, deadline, out, stats)
+            stats.run_s += time.perf_counter() - t1
+
+        results = self._restartable(task, run, len(steps_list), deadline, [resource, builder], stats)
+        stats.lost = sum(r.error_code == ErrorCode.UNKNOWN_ERROR and r.error_msg.startswith("dask:")
+                         for r in results)
+        self.stats = stats
         return results
 
     def run_builds(self, task: SearchTask, builds: Sequence[BuildResult]) -> list[MeasureResult]:
         """Time already-built programs (e.g. hand-made artifacts) on the measure workers."""
         resource = self._resource(task)
-        submit = self._run_submitter(task, task.to_json(), uuid.uuid4().hex[:10], resource, builds)
-        return self._collect(submit, len(builds), time.monotonic() + self._round_timeout(len(builds)))[0]
+        tj = task.to_json()
+        deadline = time.monotonic() + self._round_timeout(len(builds))
+        stats = DaskStats()
+
+        def run(todo: list[int], out: dict[int, MeasureResult], tag: str) -> None:
+            self._collect(self._run_submitter(task, tj, tag, resource, builds), todo, deadline, out, stats)
+
+        results = self._restartable(task, run, len(builds), deadline, [resource], stats)
+        self.stats = stats
+        return results
+
+    def _restartable(self, task: SearchTask, run: Callable[[list[int], dict[int, MeasureResult], str], None],
+                     n: int, deadline: float, resources: Sequence[str | None],
+                     stats: DaskStats) -> list[MeasureResult]:
+        """run(todo, out, tag) over the candidates not yet in `out`, again after each scheduler loss
+        the cluster comes back from; the rest become error records that say what happened."""
+        out: dict[int, MeasureResult] = {}
+        tag = uuid.uuid4().hex[:10]
+        for restart in range(MAX_RESTARTS + 1):
+            todo = [i for i in range(n) if i not in out]
+            try:
+                run(todo, out, f"{tag}-{restart}" if restart else tag)
+                break
+            except SchedulerLost:
+                stats.restarts += 1
+                gone = ("it went away again" if restart == MAX_RESTARTS else
+                        self._cluster_back(task, [r for r in resources if r], deadline))
+                if gone is None:
+                    continue
+                why = (f"dask: the Dask scheduler at {self._address()} went away mid-round and {gone}; "
+                       "this candidate was not measured")
+                for i in range(n):
+                    out.setdefault(i, MeasureResult([], int(ErrorCode.UNKNOWN_ERROR), why))
+                break
+        return [out[i] for i in range(n)]
+
+    def _cluster_back(self, task: SearchTask, resources: list[str], deadline: float) -> str | None:
+        """Wait (up to resource_wait, within the round) for the client to reconnect and workers with
+        `resources` to register: None once they have, else why not. A measurer tied to measure nodes
+        is tied to their successors (the same CPU, at new addresses)."""
+        until = min(deadline, time.monotonic() + self.resource_wait)
+        while time.monotonic() < until:
+            if self.client.status in ("closing", "closed"):
+                return "the client could not reconnect to it"
+            if self.client.status == "running":
+                try:
+                    if all(workers_with(self.client, r) for r in resources):
+                        if self.workers:
+                            nodes = measure_node_targets(self.client)
+                            self.workers = resolve_measure_target(task.target, nodes).workers
+                        return None
+                except (OSError, ClusterError):
+                    pass                            # the new scheduler is still starting, or its nodes are
+            time.sleep(0.2)
+        return f"no worker advertising {', '.join(resources)} joined it within {self.resource_wait:.0f} s"
 
     def _resource(self, task: SearchTask) -> str:
+        if self.client.status in ("closing", "closed"):
+            raise ClusterError(f"the Dask client lost the scheduler at {self._address()} and could not "
+                               "reconnect: the cluster is gone. Restart it and run again (stored rounds "
+                               "are kept)")
         resource = measure_resource(task.target_kind)
         require_resource(self.client, resource, wait=self.resource_wait)
         return resource
 
+    def _address(self) -> str:
+        return self._scheduler_address
+
+    def _submit(self, *args, **kwargs) -> Future:
+        if self.client.status != "running":
+            raise SchedulerLost()                   # it would go to a scheduler that never saw the builds
+        try:
+            return self.client.submit(*args, **kwargs)
+        except ClosedClientError as err:
+            raise SchedulerLost() from err
+
+    def _check_scheduler(self, futures: Iterable[Future]) -> None:
+        """Raise SchedulerLost when the client lost its scheduler: it cancels every future with that
+        reason (a future cancelled for another reason is lost data, handled by resubmitting)."""
+        if self.client.status != "running":
+            raise SchedulerLost()
+        for f in futures:
+            if f.status == "cancelled":
+                try:
+                    f.result(timeout=1)
+                except CancelledError as err:
+                    if getattr(err, "reason", "") == _SCHEDULER_LOST:
+                        raise SchedulerLost() from err
+                except Exception:  # noqa: BLE001 - anything else is not the scheduler's loss
+                    continue
+
     def _run_submitter(self, task: SearchTask, tj: str, tag: str, resource: str,
-                       builds: Sequence) -> Callable[[int, int], Future]:
+                       builds: Mapping[int, object] | Sequence) -> Callable[[int, int], Future]:
         """submit(i, attempt): the timing future of candidate i (a fresh key for each attempt)."""
         def submit(i: int, attempt: int) -> Future:
-            return self.client.submit(run_candidate, tj, builds[i], self.timing, self.run_timeout, pure=False,
-                                      retries=self.retries, resources={resource: 1},
-                                      workers=list(self.workers) or None, allow_other_workers=False,
-                                      key=f"run-{task.name}-{tag}-{i}" + (f"-again{attempt}" if attempt else ""))
+            return self._submit(run_candidate, tj, builds[i], self.timing, self.run_timeout, pure=False,
+                                retries=self.retries, resources={resource: 1},
+                                workers=list(self.workers) or None, allow_other_workers=False,
+                                key=f"run-{task.name}-{tag}-{i}" + (f"-again{attempt}" if attempt else ""))
         return submit
 
     def _round_timeout(self, n: int) -> float:
@@ -165,9 +281,9 @@ class DaskMeasurer:
         except TimeoutError:
             pass                                     # _collect turns the unfinished ones into records
 
-    def _collect(self, submit: Callable[[int, int], Future], n: int,
-                 deadline: float) -> tuple[list[MeasureResult], int]:
-        """Every candidate's result and how many timings were submitted again.
+    def _collect(self, submit: Callable[[int, int], Future], todo: list[int], deadline: float,
+                 out: dict[int, MeasureResult], stats: DaskStats) -> None:
+        """Every candidate's result into `out`; SchedulerLost when the scheduler goes away meanwhile.
 
         A result is fetched to this process as soon as its future finishes, so a worker that dies
         afterwards cannot take it along. A future that lost its result with its worker (status `lost`,
@@ -175,11 +291,11 @@ class DaskMeasurer:
         is submitted again, up to MAX_RESUBMITS times, until the round's deadline. Only a candidate that
         no worker finished in time, or whose function raised after its retries, becomes an error record,
         saying which of the two it was."""
-        futures = {i: submit(i, 0) for i in range(n)}
-        attempts = dict.fromkeys(range(n), 0)
-        out: dict[int, MeasureResult] = {}
+        futures = {i: submit(i, 0) for i in todo}
+        attempts = dict.fromkeys(todo, 0)
         while futures and time.monotonic() < deadline:
             self._wait(list(futures.values()), deadline, return_when="FIRST_COMPLETED")
+            self._check_scheduler(futures.values())
             for i, f in list(futures.items()):
                 if f.status == "finished":
                     try:
@@ -187,7 +303,7 @@ class DaskMeasurer:
                         del futures[i]
                         continue
                     except (CancelledError, TimeoutError, OSError):   # Dask's FutureCancelledError too
-                        pass                         # the data went with its worker: time it again
+                        self._check_scheduler([f])   # the data went with its worker: time it again
                 elif f.status == "error":
                     err = f.exception()
                     out[i] = MeasureResult([], int(ErrorCode.UNKNOWN_ERROR),
@@ -210,8 +326,9 @@ class DaskMeasurer:
             f.cancel()
             out[i] = MeasureResult([], int(ErrorCode.UNKNOWN_ERROR),
                                    f"dask: no worker finished this candidate before the round timeout "
-                                   f"({self._round_timeout(n):.0f} s; submitted {attempts[i] + 1} times)")
-        return [out[i] for i in range(n)], sum(attempts.values())
+                                   f"({self._round_timeout(len(out) + len(futures)):.0f} s; submitted "
+                                   f"{attempts[i] + 1} times)")
+        stats.resubmitted += sum(attempts.values())
 
     def close(self) -> None:
         """The client belongs to the caller; workers keep their pools for the next batch."""

@@ -1,12 +1,15 @@
 """Compaction journals: how a merge of part files stays exactly-once for readers and other compactors.
 
 A compactor writes `<root>/_compactions/<id>.json` (inputs + output name) before its output file becomes
-visible, and marks it finished only after every input is gone. So whenever a reader lists an output next
-to some of its inputs, the journal is there to say those inputs are superseded; and two compactors that
-claim the same input see each other's journal and back off.
+visible, and marks it finished only after every input has left the dataset (retired: moved to
+`_superseded/` for a grace period, see storage.superseded; for a reader that is the same as deleted).
+So whenever a reader lists an output next to some of its inputs, the journal is there to say those
+inputs are superseded; and two compactors that claim the same input see each other's journal and back
+off. The claim is also what a raw reader's hold waits for (storage.holds): a compactor writes it before
+it looks for holds.
 
 A finished journal stays for TOMBSTONE_SECONDS. A listing of a folder is not a snapshot: a reader can
-miss an output created behind its cursor and the inputs deleted ahead of it, and so miss rows. The
+miss an output created behind its cursor and the inputs retired ahead of it, and so miss rows. The
 tombstone lets it see that (a compaction whose output it cannot see lost inputs it did not list) and
 list again; a listing slower than half the tombstone's life is retried too, so it cannot outlast one.
 """
@@ -22,9 +25,11 @@ from typing import Callable
 
 from tensortune.storage.filesystem import Location, delete_quietly, list_files, read_bytes, write_atomic
 from tensortune.storage.layout import COMPACTIONS_DIR
+from tensortune.storage.superseded import retire
 
 TOMBSTONE_SECONDS = 60.0
 MAX_LISTING_SECONDS = TOMBSTONE_SECONDS / 2  # the rest is slack for clock skew between hosts
+STALE_SECONDS = 3600.0  # a claim this old is taken for dead whoever holds it
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,7 @@ class Journal:
     created: float = field(default_factory=time.time)  # seconds since the epoch
     host: str = field(default_factory=lambda: _machine())
     pid: int = field(default_factory=os.getpid)
-    finished: float | None = None  # when the last input was deleted (then this is a tombstone)
+    finished: float | None = None  # when the last input was retired (then this is a tombstone)
 
     @staticmethod
     def new(output: str, inputs: list[str]) -> "Journal":
@@ -52,7 +57,7 @@ class Journal:
         """A tombstone old enough that no reader's listing can have overlapped the compaction."""
         return self.finished is not None and time.time() - self.finished > TOMBSTONE_SECONDS
 
-    def abandoned(self, stale_seconds: float) -> bool:
+    def abandoned(self, stale_seconds: float = STALE_SECONDS) -> bool:
         """True when the compactor that wrote this is surely gone: dead on this host, or too old."""
         if time.time() - self.created > stale_seconds:
             return True
@@ -108,10 +113,18 @@ def read_journals(location: Location) -> list[Journal]:
 
 
 def finish_journal(location: Location, journal: Journal) -> Journal:
-    """Turn a claim whose inputs are all deleted into a tombstone."""
+    """Turn a claim whose inputs are all retired into a tombstone."""
     done = replace(journal, finished=time.time())
     write_journal(location, done)
     return done
+
+
+def complete_journal(location: Location, journal: Journal) -> Journal:
+    """Finish a committed claim (its output exists): retire the inputs still in the dataset, then make
+    it a tombstone. Whoever does it (the compactor, a later one recovering, a reader taking a hold),
+    and however often, the end is the same."""
+    retire(location, journal.id, journal.inputs)
+    return finish_journal(location, journal)
 
 
 def delete_journal(location: Location, journal: Journal) -> None:

@@ -4,6 +4,8 @@
     <root>/target=<uri-quoted target>/date=YYYY-MM-DD/compact-<uuid hex>.parquet   one compaction output
     <root>/target=.../date=.../.<name>.<rand>.tmp                                  a write in flight
     <root>/_compactions/<uuid hex>.json                                            a compaction journal
+    <root>/_superseded/<seconds>-<uuid hex>/target=.../part-....parquet.superseded  replaced by a compaction
+    <root>/_holds/<uuid hex>.json                                                  a raw reader's hold
     <root>/_models/..., <root>/_tasks/..., <root>/_quarantine/...                  not records
 
 Hive style, so `pandas.read_parquet(root)` and pyarrow read it as is (they skip names starting with '.' or
@@ -23,6 +25,8 @@ import pyarrow.fs as pafs
 from tensortune.storage.filesystem import Location
 
 COMPACTIONS_DIR = "_compactions"
+SUPERSEDED_DIR = "_superseded"
+HOLDS_DIR = "_holds"
 QUARANTINE_DIR = "_quarantine"
 MODELS_DIR = "_models"
 TASKS_DIR = "_tasks"

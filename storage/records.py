@@ -2,11 +2,14 @@
 
 Writers append one immutable part file per call (atomically, no coordination between writers, processes
 or nodes); queries read a consistent snapshot and return pandas DataFrames; compaction merges small files
-so queries stay fast. See storage.layout for the folder layout.
+so queries stay fast, and keeps the files it replaced for a grace period (storage.superseded). Raw
+readers of the folder (pandas, pyarrow, DuckDB) read inside hold_compactions() (storage.holds). See
+storage.layout for the folder layout.
 """
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from typing import Any, Iterator, Sequence
@@ -18,6 +21,7 @@ import pyarrow.parquet as pq
 
 from tensortune.storage.compaction import CompactionSettings, CompactionStats, compact, compact_partition
 from tensortune.storage.filesystem import Location, open_location, write_atomic
+from tensortune.storage.holds import HOLD_SECONDS, release_hold, take_hold
 from tensortune.storage.integrity import check_policy, find_bad_files, handle_bad_files
 from tensortune.storage.layout import date_segment, new_data_name, target_segment
 from tensortune.storage.queries import (
@@ -122,10 +126,30 @@ class RecordStore:
         """Merge small part files (all targets, or one); keeps every row exactly once.
 
         Safe to run while writers append and readers query, and from several processes at once.
-        Keyword settings are those of storage.compaction.CompactionSettings.
+        Keyword settings are those of storage.compaction.CompactionSettings (grace_seconds: how long
+        replaced files stay in <root>/_superseded/ before a compaction deletes them). Does nothing
+        while a raw reader holds the store (hold_compactions(); stats.held says so).
         """
         options = CompactionSettings(**{"durable": self.durable, **settings})
         return compact(self.location, self._scanner, [target] if target else None, options)
+
+    @contextmanager
+    def hold_compactions(self, seconds: float = HOLD_SECONDS) -> Iterator[None]:
+        """While the block runs (at most `seconds`), no compaction changes a record file, in any process
+        or on any host: read the folder raw inside it, and each row appended before the block is counted
+        exactly once and no listed file vanishes. Appends go on.
+
+            with RecordStore("tuning-records").hold_compactions():
+                frame = pd.read_parquet("tuning-records")
+
+        Entering waits for compactions already under way (seconds at most); merging waits until the
+        block ends. Queries through RecordStore need no hold. See storage.holds.
+        """
+        hold = take_hold(self.location, seconds)
+        try:
+            yield
+        finally:
+            release_hold(self.location, hold)
 
     # -- reading ---------------------------------------------------------------------------------------
 
