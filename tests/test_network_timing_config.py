@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from tensortune.codegen.measure import LocalRunner
 from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
-from tensortune.flows.tune_flow import _measurer
+from tensortune.flows.tune_flow import timing_options
 from tensortune.flows.tuning import network_measurer
 
 
@@ -19,9 +19,10 @@ def test_library_and_flow_time_network_kernels_alike():
         assert library.runner.config == NETWORK_TIMING
     finally:
         library.close()
-    assert _measurer(None, None).timing == NETWORK_TIMING
-    assert _measurer(None, {"repeat": 5}).timing == replace(NETWORK_TIMING, repeat=5)
-    assert not _measurer(None, {"flush_cache": False}).timing.flush_cache
+    # the flow's Dask measurer takes its TimingConfig from timing_options (flows/tune_flow.py _measurer)
+    assert timing_options(None).config() == NETWORK_TIMING
+    assert timing_options({"repeat": 5}).config() == replace(NETWORK_TIMING, repeat=5)
+    assert not timing_options({"flush_cache": False}).config().flush_cache
 
 
 def test_single_operator_tuning_stays_warm():
