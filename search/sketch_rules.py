@@ -85,8 +85,14 @@ class MultiLevelTiling(SketchRule):
         return Condition.APPLY_AND_SKIP_REST if utils.needs_multi_level_tiling(state, sid) else Condition.PASS
 
     def apply(self, ctx, state, sid):
-        s, _ = utils.do_multi_level_tiling(state, sid, ctx.structure())
+        s, _ = utils.do_multi_level_tiling(state, sid, ctx.structure(), _outer_order(ctx, state, sid))
         return [(s, sid - 1)]
+
+
+def _outer_order(ctx: SketchContext, state: State, sid: int) -> list[int] | None:
+    """CPU: the reuse order of the outermost tile level (utils.reuse_outer_order). GPU: the axis order
+    (its outermost level becomes the grid, where the order does not decide what stays cached)."""
+    return None if ctx.is_gpu else utils.reuse_outer_order(state, sid)
 
 
 class MultiLevelTilingWithFusion(SketchRule):
@@ -104,12 +110,13 @@ class MultiLevelTilingWithFusion(SketchRule):
     def apply(self, ctx, state, sid):
         target = utils.single_elementwise_matched_consumer(state, sid)
         structure = ctx.structure()
-        base, split_ids = utils.do_multi_level_tiling(state, sid, structure)
+        order = _outer_order(ctx, state, sid)
+        base, split_ids = utils.do_multi_level_tiling(state, sid, structure, order)
         out = []
         for level in ([3] if ctx.is_gpu else [1, 2]):
             if structure[level - 1].upper() != "S":
                 continue
-            s = utils.follow_tiling(base, target, split_ids, level)
+            s = utils.follow_tiling(base, target, split_ids, level, order)
             s = s.compute_at(sid, target, level * len(split_ids) - 1)
             out.append((s, sid - 1))
         return out

@@ -127,3 +127,21 @@ def test_inlined_stages_and_cache_write_steps_are_recorded():
     assert all(any(isinstance(x, ComputeInlineStep) for x in s.state.steps) for s in sk)
     _, sk = _sketches("matmul", 64, 64, 64)
     assert any(any(isinstance(x, CacheWriteStep) for x in s.state.steps) for s in sk)
+
+
+def test_outer_tile_level_iterates_the_dominant_operands_own_axes_first():
+    """An NHWC conv's weight is 9x its data here: the output channels (which only the weight's index
+    uses) lead the outermost level, in the conv and in the consumer it is fused into."""
+    _, sk = _sketches("conv2d", 1, 14, 14, 256, 256, 3, 3, 1, 1, 1, "NHWC")
+    for s in sk:
+        conv = s.state.stage_by_name("conv2d_nhwc.local" if "CHW" in _codes(s) else "conv2d_nhwc")
+        assert [it.name for it in conv.iters[:4]] == ["f.0", "b.0", "y.0", "x.0"]
+        if "CHW" in _codes(s):
+            out = s.state.stage_by_name("conv2d_nhwc")
+            assert [it.name for it in out.iters[:4]] == ["f.0", "b.0", "y.0", "x.0"]
+    # a square matmul has no dominant operand: the axis order stays
+    _, sk = _sketches("matmul", 512, 512, 512)
+    assert all([it.name for it in s.state.stage_by_name("C").iters[:2]] == ["i.0", "j.0"] for s in _unpacked(sk))
+    # a 2048x256 weight against 64x2048 data: the weight's j leads
+    _, sk = _sketches("matmul", 64, 256, 2048)
+    assert all([it.name for it in s.state.stage_by_name("C").iters[:2]] == ["j.0", "i.0"] for s in _unpacked(sk))
