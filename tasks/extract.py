@@ -18,7 +18,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tensortune.tasks import network_ops, ops, te, winograd
+from tensortune.tasks import network_ops, nhwc_ops, ops, te, winograd
+from tensortune.tasks.channels_last import to_channels_last
 from tensortune.tasks.compute_dag import ComputeDAG, DAGError
 from tensortune.tasks.graph import Graph, contiguous
 from tensortune.tasks.graph_ops import OPS, Node, TensorInfo, run_node
@@ -299,9 +300,10 @@ def group_name(graph: Graph, nodes: list[Node]) -> str:
     parts = []
     for n in nodes:
         op = n.op
-        if op == "conv2d" and n.attrs["groups"] > 1:
-            op = "depthwise_conv2d" if n.attrs["groups"] == graph.values[n.inputs[0]].shape[1] else "group_conv2d"
-        if n.op in ("conv2d", "conv_transpose2d", "dense") and len(n.inputs) == 3:
+        if op in ("conv2d", "conv2d_nhwc") and n.attrs["groups"] > 1:
+            channels = graph.values[n.inputs[0]].shape[1 if op == "conv2d" else 3]
+            op = ("depthwise_" if n.attrs["groups"] == channels else "group_") + op
+        if n.op in ("conv2d", "conv2d_nhwc", "conv_transpose2d", "dense") and len(n.inputs) == 3:
             op += "_bias"
         parts.append(op)
     return "_".join(parts)
@@ -329,6 +331,27 @@ def _conv2d(node: Node, b: _GroupBuilder) -> Tensor:
     else:
         out = ops.conv2d_nchw(x, b.input(1, "kernel"), a["strides"], padding, a["dilations"], g)
     return ops.bias_add(out, b.input(2, "bias"), axis=1) if b.has(2) else out
+
+
+def _conv2d_nhwc(node: Node, b: _GroupBuilder) -> Tensor:
+    a = node.attrs
+    c, (kh, kw, cig, co) = b.info(0).shape[3], b.info(1).shape
+    x = b.input(0, "data")
+    if a["groups"] == 1:
+        out = nhwc_ops.conv2d(x, b.input(1, "kernel"), a["strides"], a["pads"], a["dilations"])
+    elif a["groups"] == c == co and cig == 1:
+        out = nhwc_ops.depthwise_conv2d(x, b.input(1, "kernel", (kh, kw, c)), a["strides"], a["pads"],
+                                        a["dilations"])
+    else:
+        raise _fail(node, f"groups={a['groups']}: an NHWC conv is dense or depthwise (one filter per channel)")
+    return ops.bias_add(out, b.input(2, "bias"), axis=3) if b.has(2) else out
+
+
+def _pool_nhwc(node: Node, b: _GroupBuilder) -> Tensor:
+    a = node.attrs
+    kind = "max" if node.op == "max_pool2d_nhwc" else "avg"
+    return nhwc_ops.pool2d(b.input(0, "data"), a["kernel"], a["strides"], a["pads"], kind,
+                           kind == "max" or a["count_include_pad"])
 
 
 def _conv_transpose2d(node: Node, b: _GroupBuilder) -> Tensor:
@@ -504,6 +527,8 @@ def _slice(node: Node, b: _GroupBuilder) -> Tensor:
 TE_BUILDERS: dict[str, Callable[[Node, _GroupBuilder], Tensor]] = {
     "conv2d": _conv2d, "conv_transpose2d": _conv_transpose2d, "dense": _dense, "matmul": _matmul,
     "max_pool2d": _pool, "avg_pool2d": _pool,
+    "conv2d_nhwc": _conv2d_nhwc, "max_pool2d_nhwc": _pool_nhwc, "avg_pool2d_nhwc": _pool_nhwc,
+    "global_avg_pool2d_nhwc": lambda n, b: nhwc_ops.global_avg_pool2d(b.input(0, "data")),
     "global_avg_pool2d": lambda n, b: ops.global_avg_pool2d_nchw(b.input(0, "data")),
     "softmax": _over_last_axis(ops.softmax), "layer_norm": _layer_norm,
     "log_softmax": _over_last_axis(network_ops.log_softmax), "pad": _pad,
@@ -550,10 +575,11 @@ class _Forms:
 
 def winograd_eligible(graph: Graph, node: Node) -> bool:
     """A conv2d Winograd can compute: constant float32 weight, 3x3, stride 1, dilation 1, groups 1."""
-    if node.op != "conv2d" or node.inputs[1] not in graph.constants:
+    if node.op not in ("conv2d", "conv2d_nhwc") or node.inputs[1] not in graph.constants:
         return False
     w = graph.constants[node.inputs[1]]
-    return w.dtype == np.float32 and winograd.eligible(w.shape, node.attrs["strides"], node.attrs["dilations"],
+    oihw = w.shape if node.op == "conv2d" else tuple(w.shape[p] for p in (3, 2, 0, 1))
+    return w.dtype == np.float32 and winograd.eligible(oihw, node.attrs["strides"], node.attrs["dilations"],
                                                        node.attrs["groups"])
 
 
@@ -566,16 +592,20 @@ def _winograd_forms(graph: Graph, groups: list[list[Node]], tiles: tuple[int, ..
             continue
         for m in tiles:
             u_name = _fresh_name(used, f"{anchor.inputs[1]}.winograd_f{m}")
-            forms.constants[u_name] = winograd.transform_weight(graph.constants[anchor.inputs[1]], m)
+            transform = winograd.transform_weight if anchor.op == "conv2d" else winograd.transform_weight_hwio
+            forms.constants[u_name] = transform(graph.constants[anchor.inputs[1]], m)
             alt = Node(anchor.name, anchor.op, (anchor.inputs[0], u_name, *anchor.inputs[2:]), anchor.output,
                        dict(anchor.attrs))
-            name = group_name(graph, nodes).replace("conv2d", f"conv2d_winograd_f{m}", 1)
+            name = group_name(graph, nodes).replace("conv2d", f"conv2d_winograd_f{m}", 1)    # ..._nhwc stays
             forms.per_group.setdefault(gi, []).append(([alt, *nodes[1:]], {anchor.name: _conv2d_winograd}, name))
     return forms
 
 
 def _conv2d_winograd(node: Node, b: _GroupBuilder) -> Tensor:
     """The conv of `node` in Winograd form; its input 1 is the transformed weight U."""
+    if node.op == "conv2d_nhwc":
+        out = winograd.conv2d_winograd_nhwc(b.input(0, "data"), b.input(1, "U"), node.attrs["pads"])
+        return ops.bias_add(out, b.input(2, "bias"), axis=3) if b.has(2) else out
     pt, pl, pb, pr = node.attrs["pads"]
     x = b.input(0, "data")
     if (pt, pl) != (pb, pr):
@@ -700,14 +730,18 @@ def _layout_free(graph: Graph, builder: _GroupBuilder, inputs: list[str]) -> set
     return {i for i, v in enumerate(inputs) if v in graph.constants and builder.roles.get(v) in WEIGHT_ROLES}
 
 
-def extract_tasks(graph: Graph, winograd_tiles: Sequence[int] = ()) -> NetworkTasks:
-    """Simplify, partition, build each group's ComputeDAG and dedup them by workload key.
+def extract_tasks(graph: Graph, winograd_tiles: Sequence[int] = (), channels_last: bool = True) -> NetworkTasks:
+    """Simplify, rewrite convs and pools to NHWC (tasks.channels_last), partition, build each group's
+    ComputeDAG and dedup them by workload key.
 
     `winograd_tiles` (e.g. (4,) or (2, 4)): every conv that can take the Winograd form F(m x m, 3 x 3)
     (constant weight, 3x3, stride 1, dilation 1, groups 1) gets it as an alternative of its group,
-    one task per tile size, its weight transformed here into a new constant."""
+    one task per tile size, its weight transformed here into a new constant (in the conv's layout).
+    `channels_last=False` keeps every conv and pool NCHW, as the source graph has them."""
     origin: dict[str, str | None] = {}
     simple = simplify_for_inference(graph, origin)
+    if channels_last:
+        simple = to_channels_last(simple)
     groups, aliases = partition(simple)
     forms = _winograd_forms(simple, groups, tuple(winograd_tiles))
     if forms.constants:

@@ -627,6 +627,29 @@ def _infer_reduce(node: Node, ins: list[TensorInfo]) -> TensorInfo:
     return TensorInfo(out, ins[0].dtype)
 
 
+# NHWC forms (tasks.channels_last makes them): the NCHW op's inference and reference on transposed
+# views. Data NHWC; a conv's weight HWIO ([KH, KW, CI/groups, CO]); the output NHWC.
+_TO_NCHW, _TO_NHWC, _HWIO_TO_OIHW = (0, 3, 1, 2), (0, 2, 3, 1), (3, 2, 0, 1)
+
+
+def _channels_last(infer: Callable[[Node, list[TensorInfo]], TensorInfo],
+                   run: Callable[[list[np.ndarray], dict], np.ndarray]) -> tuple[Callable, Callable]:
+    def permuted(info: TensorInfo, perm: tuple[int, ...]) -> TensorInfo:
+        return TensorInfo(tuple(info.shape[p] for p in perm), info.dtype) if len(info.shape) == 4 else info
+
+    def infer_nhwc(node: Node, ins: list[TensorInfo]) -> TensorInfo:
+        _need_rank(node, ins[0], 4, "data (NHWC)")
+        if len(ins) > 1:
+            _need_rank(node, ins[1], 4, "weight (HWIO)")
+        moved = [permuted(ins[0], _TO_NCHW)] + [permuted(w, _HWIO_TO_OIHW) for w in ins[1:2]] + ins[2:]
+        return permuted(infer(node, moved), _TO_NHWC)
+
+    def run_nhwc(xs: list[np.ndarray], a: dict) -> np.ndarray:
+        moved = [xs[0].transpose(_TO_NCHW)] + [w.transpose(_HWIO_TO_OIHW) for w in xs[1:2]] + xs[2:]
+        return np.asarray(run(moved, a)).transpose(_TO_NHWC)
+    return infer_nhwc, run_nhwc
+
+
 def _register_all() -> None:
     conv = {"strides": (1, 1), "pads": (0, 0, 0, 0), "dilations": (1, 1), "groups": 1}
     register_op("conv2d", "anchor", (2, 3), conv, _infer_conv(2), _run_conv)
@@ -640,6 +663,12 @@ def _register_all() -> None:
     register_op("avg_pool2d", "anchor", (1, 1), {**pool, "count_include_pad": False}, _infer_pool(2), _run_avg_pool)
     register_op("global_avg_pool2d", "anchor", (1, 1), {}, _infer_global_pool,
                 lambda xs, a: xs[0].mean(axis=(2, 3), keepdims=True))
+    register_op("conv2d_nhwc", "anchor", (2, 3), conv, *_channels_last(_infer_conv(2), _run_conv))
+    register_op("max_pool2d_nhwc", "anchor", (1, 1), pool, *_channels_last(_infer_pool(2), _run_max_pool))
+    register_op("avg_pool2d_nhwc", "anchor", (1, 1), {**pool, "count_include_pad": False},
+                *_channels_last(_infer_pool(2), _run_avg_pool))
+    register_op("global_avg_pool2d_nhwc", "anchor", (1, 1), {},
+                *_channels_last(_infer_global_pool, lambda xs, a: xs[0].mean(axis=(2, 3), keepdims=True)))
     register_op("conv3d", "anchor", (2, 3), {"strides": (1, 1, 1), "pads": (0,) * 6, "dilations": (1, 1, 1),
                                              "groups": 1}, _infer_conv(3), _run_conv)
     pool3d = {"kernel": REQUIRED, "strides": (1, 1, 1), "pads": (0,) * 6}

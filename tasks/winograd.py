@@ -208,6 +208,60 @@ def conv2d_winograd_nchw(data: Tensor, U: Tensor, padding=1, name: str = "conv2d
         k, b * (nh * nw) + y // m * nw + x // m, y % m, x % m], name=name)
 
 
+def transform_weight_hwio(weight: np.ndarray, m: int) -> np.ndarray:
+    """U of an HWIO 3x3 weight (an NHWC conv's), laid out (alpha, alpha, CI, CO) as the NHWC bgemm
+    reads it: output channels innermost, the axis its register tile vectorises."""
+    w = np.asarray(weight)
+    if w.ndim != 4 or w.shape[:2] != (3, 3):
+        raise ValueError(f"Winograd needs a (3, 3, CI, CO) weight, got shape {list(w.shape)}")
+    G = winograd_matrices(m).G
+    u = np.einsum("ek,klio,nl->enio", G, w.astype(np.float64), G)
+    return np.ascontiguousarray(u.astype(w.dtype))
+
+
+def conv2d_winograd_nhwc(data: Tensor, U: Tensor, pads=(1, 1, 1, 1), name: str = "conv2d_winograd") -> Tensor:
+    """The NHWC form (TVM's conv2d_winograd_nhwc): NHWC `data`, U (alpha, alpha, CI, CO) from
+    `transform_weight_hwio`, pads (top, left, bottom, right), output NHWC. The stages are those of
+    the NCHW form with channels innermost: data_pack[eps, nu, p, ci], bgemm[eps, nu, p, co] (per
+    point a (P x CI) by (CI x CO) matrix product, vectorised over co as an NHWC conv is),
+    inverse[vh, vw, p, co]."""
+    ops._check_rank(data, 4, "conv2d_winograd", "NHWC")
+    ops._check_rank(U, 4, "conv2d_winograd", "alpha alpha CI CO")
+    alpha = U.shape[0]
+    m = alpha - 2
+    if U.shape[1] != alpha or m not in TILE_SIZES:
+        raise ValueError(f"conv2d_winograd: U must be (alpha, alpha, CI, CO) with alpha in "
+                         f"{[t + 2 for t in TILE_SIZES]}, got {list(U.shape)}")
+    n, h, w, ci = data.shape
+    co = U.shape[3]
+    if U.shape[2] != ci:
+        raise ValueError(f"conv2d_winograd: data has {ci} channels but U expects {U.shape[2]}")
+    pt, pl, pb, pr = pads
+    oh = ops._out_size(h, 3, 1, pt, pb, 1, "conv2d_winograd height")
+    ow = ops._out_size(w, 3, 1, pl, pr, 1, "conv2d_winograd width")
+    nh, nw, P = output_tiles(n, oh, ow, m)
+    mats = winograd_matrices(m)
+    data_pad = ops.pad(data, (0, pt, pl, 0), (0, nh * m + 2 - h - pt, nw * m + 2 - w - pl, 0), name="data_pad")
+
+    def pack(eps, nu, p, c):
+        b, y, x = p // (nh * nw), p // nw % nh, p % nw
+        return _two_sided(mats.B_T, eps, nu, lambda ra, rb: data_pad[b, y * m + ra, x * m + rb, c])
+
+    data_pack = te.compute((alpha, alpha, P, ci), pack, name="data_pack",
+                           attrs={CONST_INDICES_ATTR: "eps,nu", "FLOP": float(_two_sided_flops(mats.B_T) * ci * P)})
+    rc = te.reduce_axis(ci, "rc")
+    bgemm = te.compute((alpha, alpha, P, co), lambda eps, nu, p, k: te.sum(
+        data_pack[eps, nu, p, rc] * U[eps, nu, rc, k], axis=[rc]), name="bgemm")
+
+    def inv(vh, vw, p, k):
+        return _two_sided(mats.A_T, vh, vw, lambda ra, rb: bgemm[ra, rb, p, k])
+
+    inverse = te.compute((m, m, P, co), inv, name="inverse",
+                         attrs={CONST_INDICES_ATTR: "vh,vw", "FLOP": float(_two_sided_flops(mats.A_T) * co * P)})
+    return te.compute((n, oh, ow, co), lambda b, y, x, k: inverse[
+        y % m, x % m, b * (nh * nw) + y // m * nw + x // m, k], name=name)
+
+
 def parse_tiles(text: str | None) -> tuple[int, ...]:
     """A `--winograd` value: "2,4" -> (2, 4), "" or None -> (); ValueError naming what is wrong."""
     if not text:

@@ -130,12 +130,20 @@ def conv2d_relu(N: int = 1, H: int = 56, W: int = 56, CI: int = 64, CO: int = 64
 
 @workload("conv2d_winograd")
 def conv2d_winograd(N: int = 1, H: int = 56, W: int = 56, CI: int = 64, CO: int = 64, padding: int = 1, m: int = 4,
-                    relu: bool = False, dtype: str = "float32"):
+                    relu: bool = False, layout: str = "NCHW", dtype: str = "float32"):
     """A 3x3 stride-1 conv2d in Winograd form F(m x m, 3 x 3): the kernel input is the transformed
-    U (alpha, alpha, CO, CI) (tasks.winograd.transform_weight), [relu] fused after it."""
-    data = te.placeholder((N, CI, H, W), dtype, "data")
-    U = te.placeholder((m + 2, m + 2, CO, CI), dtype, "U")
-    out = winograd.conv2d_winograd_nchw(data, U, padding)
+    U, (alpha, alpha, CO, CI) in NCHW (tasks.winograd.transform_weight), (alpha, alpha, CI, CO) in
+    NHWC (transform_weight_hwio); [relu] fused after it."""
+    if layout == "NCHW":
+        data = te.placeholder((N, CI, H, W), dtype, "data")
+        U = te.placeholder((m + 2, m + 2, CO, CI), dtype, "U")
+        out = winograd.conv2d_winograd_nchw(data, U, padding)
+    elif layout == "NHWC":
+        data = te.placeholder((N, H, W, CI), dtype, "data")
+        U = te.placeholder((m + 2, m + 2, CI, CO), dtype, "U")
+        out = winograd.conv2d_winograd_nhwc(data, U, (padding,) * 4)
+    else:
+        raise ValueError(f"conv2d_winograd layout must be NCHW or NHWC, got {layout!r}")
     return [data, U, ops.relu(out) if relu else out]
 
 

@@ -87,7 +87,9 @@ def test_arena_is_planned_by_liveness():
     pl = plan(net)
     arena = {v: at for v, (kind, at) in pl.where.items() if kind == "arena"}
     total = sum(net.graph.values[v].size * 4 for v in arena)
-    assert pl.arena_bytes < total / 2            # blocks are reused
+    # blocks are reused (the image's NHWC copy and the stem's output, live together, are most of
+    # this small network's intermediates)
+    assert pl.arena_bytes < 0.6 * total
     # no kernel writes into a block one of its inputs lives in
     for g in net.groups:
         if g.output in arena:
@@ -255,8 +257,8 @@ def test_cli_compile(tmp_path):
     out = runner.invoke(app, ["compile", "resnet-18", "--image-size", "32", "--records", str(tmp_path / "records"),
                               "--threads", "2", "-o", str(tmp_path / "lib")], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    assert "1/18 tasks from records, 17 on default schedules" in out.output
-    assert "estimated latency: n/a (17 task(s) have no record)" in out.output
+    assert "1/19 tasks from records, 18 on default schedules" in out.output
+    assert "estimated latency: n/a (18 task(s) have no record)" in out.output
     assert "check against the NumPy reference: OK" in out.output
     assert "resnet_18.so" in out.output and "manifest.json" in out.output
     assert json.loads((tmp_path / "lib" / "manifest.json").read_text())["kernels"][0]["schedule"] == "record"
@@ -306,7 +308,7 @@ def test_cli_run_network_compiled():
     out = runner.invoke(app, ["run-network", "resnet-18", "--image-size", "32", "--compiled", "--threads", "2",
                               "--repeat", "2"], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    assert "compiled library: 18 kernels, 0 from records" in out.output and "ns per kernel call" in out.output
+    assert "compiled library: 19 kernels, 0 from records" in out.output and "ns per kernel call" in out.output
     assert "check: OK" in out.output and "measured" in out.output
 
 
@@ -316,7 +318,7 @@ def test_compile_into_store_writes_beside_the_records_where_readers_do_not_look(
     net = extract_tasks(make_network("resnet-18", image_size=32))
     _write_records(tmp_path / "records", net, TARGET)
     lib = compile_into_store(net, str(tmp_path / "records"), str(parse_target(TARGET)), "resnet-18", "20260101-000000")
-    assert lib.passed and lib.tuned == 1 and lib.kernels == 18
+    assert lib.passed and lib.tuned == 1 and lib.kernels == 19
     assert lib.folder == str(tmp_path / "records" / "_compiled" / "resnet-18" / "20260101-000000")
     assert runtime.load(lib.folder).input_shapes == {"data": (1, 3, 32, 32)}
     assert len(RecordStore(str(tmp_path / "records")).read()) == 1        # the store still reads its records

@@ -30,19 +30,28 @@ RESNET50_TASKS = [
 ]
 
 
-def test_resnet50_tasks_and_weights():
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_resnet50_tasks_and_weights(channels_last):
     graph = make_network("resnet-50")
-    net = extract_tasks(graph)
+    net = extract_tasks(graph, channels_last=channels_last)
     got = [(t.name, t.weight, list(t.dag.outputs[0].shape)) for t in net.tasks]
-    assert got == RESNET50_TASKS
-    assert len(net.tasks) == 27 and len(net.groups) == 56 and sum(t.weight for t in net.tasks) == 56
-    assert len({t.workload_key for t in net.tasks}) == 27
+    want = RESNET50_TASKS
+    if channels_last:     # the same tasks in NHWC after the image's transpose (the dense layer is 2-d)
+        want = [("transpose", 1, [1, 224, 224, 3])] + [
+            (name.replace("conv2d", "conv2d_nhwc").replace("pool2d", "pool2d_nhwc"), weight,
+             [shape[0], *shape[2:], shape[1]] if len(shape) == 4 else shape) for name, weight, shape in want]
+    assert got == want
+    extra = int(channels_last)
+    assert len(net.tasks) == 27 + extra and len(net.groups) == 56 + extra
+    assert sum(t.weight for t in net.tasks) == 56 + extra
+    assert len({t.workload_key for t in net.tasks}) == 27 + extra
     # 4.1 GMACs: the published ResNet-50 cost (the 3x3 max pool and the average are counted too)
     assert net.total_flops == pytest.approx(8.207e9, rel=1e-3)
     # every node maps to a task; BatchNorm was folded into the convolutions at build time
     assert set(net.node_group) == {n.name for n in graph.nodes}
     assert net.node_group["flatten"] is None
-    assert net.task_of("layer3.2.relu").name == "conv2d_bias_add_relu"
+    assert net.task_of("layer3.2.relu").name == ("conv2d_nhwc_bias_add_relu" if channels_last
+                                                 else "conv2d_bias_add_relu")
     assert net.task_of("layer3.2.relu") is net.task_of("layer3.3.add")
 
 

@@ -89,7 +89,9 @@ CASES = {
 def test_op_compiles_and_matches_reference(case):
     graph = CASES[case]()
     net = extract_tasks(graph)
-    assert len(net.tasks) == 1
+    # a conv becomes NHWC between the transposes of its input and output (tasks.channels_last)
+    own = [t for t in net.tasks if t.name != "transpose" or case == "transpose"]
+    assert len(own) == 1
     compiled = build_network(net)
     inputs = graph.random_inputs(3)
     if case == "gather_embedding":                # negative indices wrap, as in numpy/ONNX
@@ -100,7 +102,7 @@ def test_op_compiles_and_matches_reference(case):
     refs = graph.run_reference(inputs)
     for name, ref in refs.items():
         bad = mismatch(outs[name], ref.astype(np.float32))
-        assert bad is None, f"{case}: {bad}\n{net.tasks[0].dag}"
+        assert bad is None, f"{case}: {bad}\n{own[0].dag}"
 
 
 def test_batch_norm_is_folded_into_the_conv_before_it():
@@ -111,7 +113,7 @@ def test_batch_norm_is_folded_into_the_conv_before_it():
     y = g.add("batch_norm", [y] + stats, epsilon=1e-3)
     y = g.add("relu", [y])
     graph = g.build([y])
-    net = extract_tasks(graph)
+    net = extract_tasks(graph, channels_last=False)
     assert [n.op for n in net.graph.nodes] == ["conv2d", "relu"]
     assert net.tasks[0].name == "conv2d_bias_relu"
     assert net.node_group["batch_norm"] == net.node_group["conv2d"] == 0

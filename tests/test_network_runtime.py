@@ -34,8 +34,9 @@ def test_default_schedule_is_correct(small_workload):
 
 def test_default_schedule_tiles_reductions_and_parallelises():
     net = extract_tasks(make_network("resnet-18", image_size=32, base_width=8))
-    state = default_schedule(net.tasks[2].dag)                  # conv2d_bias_relu
-    conv, relu = state.stage_by_name("conv2d_nchw"), state.stage_by_name("T_relu")
+    task = next(t for t in net.tasks if t.name == "conv2d_nhwc_bias_relu")
+    state = default_schedule(task.dag)
+    conv, relu = state.stage_by_name("conv2d_nhwc"), state.stage_by_name("T_relu")
     assert state.stage_by_name("T_add").compute_at == "inline"          # the bias is inlined
     assert conv.compute_at == "iter" and conv.attach[0] == "T_relu"     # the conv is computed per output tile
     assert relu.iters[0].annotation == "parallel" and relu.iters[-1].annotation == "vectorize"
@@ -52,7 +53,9 @@ def test_buffers_are_planned_once_and_reused_safely():
     compiled = build_network(net)
     graph = net.graph
     intermediate = sum(graph.values[g.output].size * 4 for g in net.groups if g.output not in graph.outputs)
-    assert 0 < compiled.buffer_bytes < intermediate / 2      # liveness lets buffers share memory
+    # liveness lets buffers share memory (the image's NHWC copy and the stem's output, live together,
+    # are 51 % of all intermediates of this small network; in NCHW 44 %)
+    assert 0 < compiled.buffer_bytes < 0.6 * intermediate
     for kernel, packed, args in compiled._calls:
         out = args[-1]
         for a in args[:-1]:
@@ -132,12 +135,14 @@ def test_records_of_another_thread_count_are_not_mixed_in(tmp_path):
 def test_cli_extract(tmp_path):
     out = runner.invoke(app, ["extract", "resnet-18", "--image-size", "64", "--batch", "2"], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    assert "resnet-18: 18 tasks from 23 subgraphs" in out.output
-    assert "conv2d_bias_add_relu" in out.output and "2x512x2x2" in out.output
+    # the image is transposed to NHWC once (tasks.channels_last): one task more than the source's ops
+    assert "resnet-18: 19 tasks from 24 subgraphs" in out.output
+    assert "conv2d_nhwc_bias_add_relu" in out.output and "2x2x2x512" in out.output
     # weights and FLOPs: the stem conv runs once, the 64-channel residual convs twice each
     rows = {int(m[0]): m for m in re.findall(r"│\s+(\d+) │ (\S+)\s+│\s+(\d+) │ (\S+)\s+│\s+([\d.]+) │\s+([\d.]+) │",
                                               out.output)}
-    assert len(rows) == 18 and rows[0][1] == "conv2d_bias_relu" and rows[0][2] == "1" and rows[3][2] == "2"
+    assert len(rows) == 19 and rows[0][1] == "transpose" and rows[1][1] == "conv2d_nhwc_bias_relu"
+    assert rows[1][2] == "1" and rows[3][2] == "2"
     assert all(float(r[5]) == pytest.approx(int(r[2]) * float(r[4]) / 1e3, abs=2e-3) for r in rows.values())
     total = float(re.search(r"total: ([\d.]+) GFLOP per run", out.output)[1])
     assert total == pytest.approx(sum(float(r[5]) for r in rows.values()), abs=0.01)
@@ -154,7 +159,7 @@ def test_cli_run_network_with_records(tmp_path):
     out = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert "check: OK" in out.output and "estimated" in out.output and "measured" in out.output
-    assert "1/18 tasks from records" in out.output and f"-num-threads={parse_target('llvm').num_threads}" in out.output
+    assert "1/19 tasks from records" in out.output and f"-num-threads={parse_target('llvm').num_threads}" in out.output
 
 
 def test_cli_run_network_onnx(tmp_path):
@@ -171,6 +176,6 @@ def test_cli_run_network_onnx(tmp_path):
     out = runner.invoke(app, ["run-network", str(path), "--input-shape", "x=2,3,8,8", "--repeat", "1"],
                         env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    assert "conv2d_relu" in out.output and "OK" in out.output
+    assert "conv2d_nhwc_relu" in out.output and "OK" in out.output
     bad = runner.invoke(app, ["run-network", str(path)])
     assert bad.exit_code == 2 and "symbolic dimension 'n'" in bad.output

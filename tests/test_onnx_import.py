@@ -170,7 +170,8 @@ def test_import_from_file_names_and_weights(tmp_path):
     ops = graph.op_counts()
     assert ops["conv2d"] == 2 and ops["batch_norm"] == 1 and ops["dense"] == 1
     net = extract_tasks(graph)
-    assert [t.name for t in net.tasks][:2] == ["conv2d_bias_relu", "max_pool2d"]   # BatchNorm folded into the conv
+    # BatchNorm folded into the conv (NHWC after the image's transpose, tasks.channels_last)
+    assert [t.name for t in net.tasks][:3] == ["transpose", "conv2d_nhwc_bias_relu", "max_pool2d_nhwc"]
 
 
 def test_symbolic_dimensions_need_input_shapes():

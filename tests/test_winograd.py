@@ -128,6 +128,41 @@ def test_dag_reference_equals_direct_conv(shape, m):
     assert float(np.max(np.abs(out - ref))) <= 1e-12 * float(np.max(np.abs(ref)))
 
 
+@pytest.mark.parametrize("m", winograd.TILE_SIZES)
+@pytest.mark.parametrize("shape", SHAPES + [(4, 7, 9, 8, 1), (3, 6, 5, 2, 0)])
+def test_nhwc_dag_reference_equals_direct_conv(shape, m):
+    """The NHWC form (channels innermost in every stage, U from the HWIO weight) is the same conv."""
+    ci, h, w, co, pad = shape
+    x, g = _inputs(1, ci, h, w, co, 0)
+    dag = make_dag("conv2d_winograd", 1, h, w, ci, co, pad, m, layout="NHWC")
+    u = winograd.transform_weight_hwio(g.astype(np.float64).transpose(2, 3, 1, 0), m)
+    np.testing.assert_array_equal(u, winograd.transform_weight(g.astype(np.float64), m).transpose(0, 1, 3, 2))
+    out = evaluate(dag, [x.transpose(0, 2, 3, 1), u], keep_all=True)[dag.outputs[0].name]
+    ref = _direct(1, ci, h, w, co, pad, False, 0).transpose(0, 2, 3, 1)
+    assert out.shape == ref.shape
+    assert float(np.max(np.abs(out - ref))) <= 1e-12 * float(np.max(np.abs(ref)))
+
+
+@pytest.mark.parametrize("m", winograd.TILE_SIZES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_nhwc_default_schedule_and_sampled_programs_match_direct_conv(shape, m):
+    """Compiled NHWC Winograd kernels on random inputs: the default schedule and two programs the
+    search samples, against the float64 direct conv (same tolerances as the NCHW form)."""
+    ci, h, w, co, pad = shape
+    x, g = _inputs(1, ci, h, w, co, 2)
+    ref = _direct(1, ci, h, w, co, pad, False, 2).transpose(0, 2, 3, 1)
+    dag = make_dag("conv2d_winograd", 1, h, w, ci, co, pad, m, layout="NHWC")
+    policy = _policy(dag)
+    policy.rng = random.Random(m * 100 + ci)
+    states = [default_schedule(dag)] + [c.state for c in policy.sample(2)]
+    u = winograd.transform_weight_hwio(g.transpose(2, 3, 1, 0), m)
+    for state in states:
+        out = np.full(ref.shape, np.nan, np.float32)
+        LLVMKernel(build(state))(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), u, out)
+        err, scale = float(np.max(np.abs(out - ref))), float(np.max(np.abs(ref)))
+        assert np.all(np.isfinite(out)) and err <= TOL[m] * scale, f"error {err:.3g}\nsteps: {state.steps_json()}"
+
+
 def test_batch_two_and_ragged_tiles():
     """Batch > 1 (tile index p runs over images) and outputs not divisible by m (the last tile is cut)."""
     for m in winograd.TILE_SIZES:

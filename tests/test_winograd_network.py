@@ -54,10 +54,10 @@ def test_every_eligible_conv_gets_both_tile_sizes(net):
             continue
         n_eligible += 1
         assert [net.tasks[a.task].dag.name.split("_bias")[0] for a in g.alternatives] == \
-            ["conv2d_winograd_f2", "conv2d_winograd_f4"]
+            ["conv2d_winograd_f2_nhwc", "conv2d_winograd_f4_nhwc"]
         for a, m in zip(g.alternatives, (2, 4)):
             u = simple.constants[a.inputs[1]]
-            np.testing.assert_array_equal(u, winograd.transform_weight(simple.constants[anchor.inputs[1]], m))
+            np.testing.assert_array_equal(u, winograd.transform_weight_hwio(simple.constants[anchor.inputs[1]], m))
             assert a.inputs[0] == g.inputs[0] and a.inputs[2:] == g.inputs[2:]
     # ResNet-18: 3x3 stride-1 convs are all but the first conv of stages 2-4 (stride 2): 16 - 3 = 13
     assert n_eligible == 13
@@ -105,7 +105,7 @@ def test_cli_extract_lists_the_winograd_forms():
     runner = CliRunner()
     out = runner.invoke(app, ["extract", "resnet-18", "--image-size", "32", "--winograd", "4"], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    assert "resnet-18: 26 tasks" in out.output and "conv2d_winograd_f4_bias_relu" in out.output
+    assert "resnet-18: 27 tasks" in out.output and "conv2d_winograd_f4_nhwc_bias_relu" in out.output
     for bad in ("3", "two"):
         res = runner.invoke(app, ["extract", "resnet-18", "--image-size", "32", "--winograd", bad])
         assert res.exit_code == 2 and "--winograd" in res.output, res.output
