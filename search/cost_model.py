@@ -264,8 +264,7 @@ class XGBModel(CostModel):
         self.trainings += 1
         self.version = str(self.trainings)
         self.metrics = TrainingMetrics(
-            len(all_rows), len(data), float(np.nanmean(acc)) if acc else float("nan"),
-            float(np.nanmean(rec)) if rec else float("nan"), self.k,
+            len(all_rows), len(data), _mean_of_finite(acc), _mean_of_finite(rec), self.k,
             float(np.sqrt(np.mean((pred - true) ** 2))), int(self.booster.best_iteration + 1))
         log.info("cost model v%d trained on %d programs of %d task(s): held-out pairwise accuracy %.3f, "
                  "recall@%d %.3f", self.trainings, self.metrics.n_programs, self.metrics.n_tasks,
@@ -323,3 +322,10 @@ class XGBModel(CostModel):
         if meta.get("metrics"):
             model.metrics = TrainingMetrics(**meta["metrics"])
         return model
+
+
+def _mean_of_finite(values: list[float]) -> float:
+    """The mean of the per-task metrics that exist (a task whose held-out rows tie has NaN); NaN when none
+    does, without numpy's empty-slice warning."""
+    finite = [v for v in values if not math.isnan(v)]
+    return float(np.mean(finite)) if finite else float("nan")

@@ -5,7 +5,8 @@ NHWC conv over the output channels (tasks.nhwc_ops). Measured on a 256-channel 1
 256 trials, 2 threads: NHWC 261 GFLOP/s, NCHW 228.
 
 The pass walks the nodes in order and keeps, for every value of the source graph, the layout its
-producer stores it in. Convs (dense or depthwise) and pools take NHWC inputs and make NHWC outputs;
+producer stores it in. Convs (dense or depthwise) and pools take NHWC inputs and make NHWC outputs
+(a reduction that keeps its dims, an exporter's global pool, reduces the same axes of an NHWC input);
 elementwise ops whose activation inputs are all stored NHWC stay NHWC, their constant operands
 transposed once here (a per-channel constant [C, 1, 1] becomes [1, 1, C]); every other op gets its
 inputs in NCHW. A value is transposed to the layout a reader needs on first need, once, and the
@@ -24,6 +25,8 @@ from tensortune.tasks.graph_ops import OPS, Node
 _TO_NHWC, _TO_NCHW = (0, 2, 3, 1), (0, 3, 1, 2)
 _POOLS = {"max_pool2d": "max_pool2d_nhwc", "avg_pool2d": "avg_pool2d_nhwc",
           "global_avg_pool2d": "global_avg_pool2d_nhwc"}
+_REDUCTIONS = {"reduce_mean", "reduce_sum", "reduce_max", "reduce_min"}
+_NHWC_AXIS = {0: 0, 1: 3, 2: 1, 3: 2}        # an NCHW axis -> the same axis of the NHWC value
 # elementwise ops whose operands broadcast as numpy arrays do (batch_norm's statistics follow axis 1)
 _NOT_BROADCASTING = {"batch_norm"}
 
@@ -91,6 +94,10 @@ class _Rewriter:
             self._nhwc_node(node, "conv2d_nhwc", (self.as_nhwc(node.inputs[0]), wname, *node.inputs[2:]))
         elif node.op in _POOLS and self.stored_nhwc(node.inputs[0]):
             self._nhwc_node(node, _POOLS[node.op], (self.nhwc[node.inputs[0]],))
+        elif node.op in _REDUCTIONS and node.attrs["keepdims"] and self.stored_nhwc(node.inputs[0]):
+            # an exporter's global pool (ReduceMean over H, W): the same reduction over the NHWC axes
+            axes = tuple(sorted(_NHWC_AXIS[a % 4] for a in node.attrs["axes"]))
+            self._nhwc_node(node, node.op, (self.nhwc[node.inputs[0]],), {**node.attrs, "axes": axes})
         elif self._elementwise_converts(node, out_shape):
             ins = tuple(self.constant_nhwc(v) if v in self.constants else self.as_nhwc(v) for v in node.inputs)
             self._nhwc_node(node, node.op, ins)
@@ -99,9 +106,9 @@ class _Rewriter:
             self.nodes.append(Node(node.name, node.op, ins, node.output, dict(node.attrs)))
             self.nchw.add(node.output)
 
-    def _nhwc_node(self, node: Node, op: str, inputs: tuple[str, ...]) -> None:
+    def _nhwc_node(self, node: Node, op: str, inputs: tuple[str, ...], attrs: dict | None = None) -> None:
         name = self.fresh(f"{node.output}.nhwc")
-        self.nodes.append(Node(node.name, op, inputs, name, dict(node.attrs)))
+        self.nodes.append(Node(node.name, op, inputs, name, dict(node.attrs if attrs is None else attrs)))
         self.nhwc[node.output] = name
 
     def _conv_converts(self, node: Node) -> bool:

@@ -121,3 +121,20 @@ def test_channels_last_false_keeps_the_source_layout():
     graph = make_network("resnet-18", image_size=32)
     net = extract_tasks(graph, channels_last=False)
     assert not any(n.op.endswith("_nhwc") or n.op == "transpose" for n in net.graph.nodes)
+
+
+def test_an_exporters_global_pool_reduces_the_nhwc_axes():
+    """torch.onnx writes the global pool as ReduceMean over (2, 3) with keepdims: it stays NHWC."""
+    g = GraphBuilder("reduce")
+    x = g.input("x", (1, 4, 5, 6))
+    y = g.add("conv2d", [x, g.constant(_w(8, 4, 1, 1))], name="conv")
+    y = g.add("reduce_mean", [y], axes=(2, 3), keepdims=True, name="pool")
+    y = g.add("reduce_max", [y], axes=(1,), keepdims=True, name="channel_max")
+    graph = g.build([y])
+    nhwc = to_channels_last(graph)
+    by_name = {n.name: n for n in nhwc.nodes}
+    assert by_name["pool"].attrs["axes"] == (1, 2) and by_name["channel_max"].attrs["axes"] == (3,)
+    assert [n.op for n in nhwc.nodes].count("transpose") == 1     # x in; the [1, 1, 1, 1] out is a view
+    inputs = graph.random_inputs(0)
+    np.testing.assert_allclose(nhwc.run_reference(inputs)[y], graph.run_reference(inputs)[y], rtol=1e-6)
+    assert build_network(extract_tasks(graph)).check().passed
