@@ -51,6 +51,10 @@ class TimingConfig:
 # layer), while a kernel timed warm, back to back, reads them from cache: warm timings made the network
 # estimate 18-24 % short of the measured network (docs/results/network_resnet18_1152.json) and steer the
 # search toward programs that only win warm. Single-operator tuning stays warm, as libraries are timed.
+# The flush leaves more cold than the network does: a CPU runner reads the kernel's activation inputs
+# back in and wakes the thread pool before each run (llvm_backend.cold_start), as the kernel before it
+# in the network would have left them. Without that, MobileNet-V2's estimate ran 62 % above its
+# measured network (small kernels, where a sleeping pool's wake-up and cold activations dominate).
 NETWORK_TIMING = TimingConfig(number=3, repeat=1, flush_cache=True)
 
 
