@@ -174,25 +174,29 @@ class LLVMKernel:
         self._repeat(packed, n)
 
 
-@lru_cache(maxsize=None)
-def pool_waker(threads: int) -> Callable[[], None]:
-    """A call that runs one tiny parallel loop on `threads` threads: it wakes libgomp's pool.
+class PoolWaker:
+    """Runs one tiny parallel loop on `threads` threads: it wakes libgomp's pool.
 
     Why: between two kernels of a network the pool's threads spin, so a kernel starts on all of them at
     once; after a cache flush (tens of ms) they have gone to sleep, and waking them cost a timed kernel
     30-60 us (MobileNet-V2's 14x14 depthwise conv: 83 us cold, 52 us cold after this call, 44 us warm),
-    more than some kernels' own work. Compiled once per runner process and thread count."""
-    x = te.placeholder((threads, 16), "float32", "x")
-    y = te.compute((threads, 16), lambda i, j: x[i, j] + 1.0, name="y")
-    dag = ComputeDAG([x, y])
-    kernel = LLVMKernel(build(State(dag).parallel("y", 0), f"llvm -num-threads={threads}"))
-    arrays = [np.zeros((threads, 16), np.float32), np.zeros((threads, 16), np.float32)]
-    packed = kernel.pack(arrays)
+    more than some kernels' own work."""
 
-    def wake() -> None:
-        kernel.run_packed(packed, 1)
-        _ = arrays                       # the packed pointers do not own the arrays
-    return wake
+    def __init__(self, threads: int):
+        x = te.placeholder((threads, 16), "float32", "x")
+        y = te.compute((threads, 16), lambda i, j: x[i, j] + 1.0, name="y")
+        self.kernel = LLVMKernel(build(State(ComputeDAG([x, y])).parallel("y", 0), f"llvm -num-threads={threads}"))
+        self._arrays = [np.zeros((threads, 16), np.float32), np.zeros((threads, 16), np.float32)]
+        self._packed = self.kernel.pack(self._arrays)      # the packed pointers do not own the arrays
+
+    def __call__(self) -> None:
+        self.kernel.run_packed(self._packed, 1)
+
+
+@lru_cache(maxsize=None)
+def pool_waker(threads: int) -> PoolWaker:
+    """One PoolWaker per runner process and thread count (compiled once)."""
+    return PoolWaker(threads)
 
 
 def cold_start(activations: list[np.ndarray], threads: int) -> Callable[[], None]:

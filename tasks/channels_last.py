@@ -48,8 +48,9 @@ class _Rewriter:
         return name
 
     def _move(self, src: str, dst: str, perm: tuple[int, ...], shape: tuple[int, ...]) -> None:
-        unit_only = shape[1] == 1 or shape[2] == shape[3] == 1 if perm == _TO_NHWC else \
-            shape[3] == 1 or shape[1] == shape[2] == 1
+        """A transpose of `src` by `perm` into `dst`; a reshape (a view) when the axes longer than 1 keep
+        their order, so the bytes do not move."""
+        unit_only = [a for a in range(4) if shape[a] > 1] == [a for a in perm if shape[a] > 1]
         moved = tuple(shape[p] for p in perm)
         node = Node(self.fresh(f"{dst}.transpose"), "reshape" if unit_only else "transpose", (src,), dst,
                     {"shape": moved} if unit_only else {"perm": perm})

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 
 from tensortune.codegen import timing
 from tensortune.codegen.artifact import Artifact
-from tensortune.codegen.llvm_backend import compile_ir
+from tensortune.codegen.llvm_backend import cold_start, compile_ir, pool_waker
 from tensortune.codegen.measure import BuildResult, LocalBuilder, LocalRunner, ProgramMeasurer
 from tensortune.codegen.target import make_task, parse_target
 from tensortune.codegen.timing import ErrorCode, TimingConfig, time_runs
@@ -239,3 +240,11 @@ def test_kernels_run_on_the_targets_threads_whatever_the_runner_environment():
     with ProgramMeasurer(runner=LocalRunner(config=cfg, env={"OMP_THREAD_LIMIT": "1"})) as m:
         (limited,) = m.measure(task, [steps])
     assert limited.error_code == ErrorCode.RUNTIME_DEVICE and "ran on 1 threads" in limited.error_msg
+
+
+def test_cold_start_wakes_the_pool_on_the_tasks_threads():
+    """Cold network timing prepares each run as the network would leave it: the pool woken on the
+    target's threads (the waker's parallel loop ran on all of them)."""
+    waker = pool_waker(2)
+    cold_start([np.ones(8, np.float32), np.zeros(3, bool)], 2)()
+    assert waker.kernel.threads_seen == 2 and pool_waker(2) is waker
