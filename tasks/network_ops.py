@@ -148,11 +148,18 @@ def pool2d_nchw(data: Tensor, kernel: Sequence[int], stride: Sequence[int], pads
     if count_include_pad or not any((pt, pl, pb, pr)):
         return te.compute(total.shape, lambda *i: total[i] / float(kh * kw), name=name or "pool_avg")
 
-    def count(y, x):
-        rows = te.minimum(y * sh + kh, te.const(pt + h, "int64")) - te.maximum(y * sh, te.const(pt, "int64"))
-        cols = te.minimum(x * sw + kw, te.const(pl + w, "int64")) - te.maximum(x * sw, te.const(pl, "int64"))
-        return te.cast(data.dtype, rows * cols)
-    return te.compute(total.shape, lambda b, cc, y, x: total[b, cc, y, x] / count(y, x), name=name or "pool_avg")
+    return te.compute(total.shape, lambda b, cc, y, x: total[b, cc, y, x] / window_count(
+        y, x, kernel, stride, pads, (h, w), data.dtype), name=name or "pool_avg")
+
+
+def window_count(y, x, kernel: Sequence[int], stride: Sequence[int], pads: Sequence[int], size: Sequence[int],
+                 dtype: str):
+    """The in-bounds elements of the pooling window of output (y, x) over a (h, w) input padded by
+    (top, left, bottom, right): what ONNX's exclusive average (count_include_pad=0) divides by."""
+    (kh, kw), (sh, sw), (pt, pl, _, _), (h, w) = kernel, stride, pads, size
+    rows = te.minimum(y * sh + kh, te.const(pt + h, "int64")) - te.maximum(y * sh, te.const(pt, "int64"))
+    cols = te.minimum(x * sw + kw, te.const(pl + w, "int64")) - te.maximum(x * sw, te.const(pl, "int64"))
+    return te.cast(dtype, rows * cols)
 
 
 def batch_norm_inference(x: Tensor, gamma: Tensor, beta: Tensor, mean: Tensor, var: Tensor, eps: float = 1e-5,

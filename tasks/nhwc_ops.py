@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from tensortune.tasks import te
+from tensortune.tasks.network_ops import window_count
 from tensortune.tasks.ops import _check_rank, _out_size, conv2d_nhwc, pad
 from tensortune.tasks.te import Tensor
 
@@ -75,11 +76,8 @@ def pool2d(data: Tensor, kernel: Sequence[int], strides: Sequence[int], pads: Se
     if count_include_pad or not any(pads):
         return te.compute(total.shape, lambda *i: total[i] / float(kh * kw), name=name or "pool_avg")
 
-    def count(y, x):
-        rows = te.minimum(y * sh + kh, te.const(pt + h, "int64")) - te.maximum(y * sh, te.const(pt, "int64"))
-        cols = te.minimum(x * sw + kw, te.const(pl + w, "int64")) - te.maximum(x * sw, te.const(pl, "int64"))
-        return te.cast(data.dtype, rows * cols)
-    return te.compute(total.shape, lambda b, y, x, f: total[b, y, x, f] / count(y, x), name=name or "pool_avg")
+    return te.compute(total.shape, lambda b, y, x, f: total[b, y, x, f] / window_count(
+        y, x, kernel, strides, pads, (h, w), data.dtype), name=name or "pool_avg")
 
 
 def global_avg_pool2d(data: Tensor, name: str = "global_avg_pool") -> Tensor:
