@@ -133,7 +133,7 @@ def reuse_outer_order(state: State, sid: int) -> list[int]:
     reads = state.analysis.read_from.get(stage.op, {})
     if len(reads) < 2:
         return list(range(len(spatial)))
-    size = {t: math.prod(t.shape) for t in reads}
+    size = {t: math.prod(t.shape) * te.DTYPE_BYTES[t.dtype] for t in reads}
     largest = max(reads, key=lambda t: size[t])
     if any(size[largest] < 2 * size[t] for t in reads if t is not largest):
         return list(range(len(spatial)))
