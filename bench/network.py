@@ -300,7 +300,7 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     feed = graph.random_inputs(args.seed)         # the same inputs for every side
     (input_name,) = feed
 
-    measurer = network_measurer()                 # as tune_network and the flow time kernels
+    measurer = network_measurer(net)              # as tune_network and the flow time kernels
     strategies = ["gradient"] + ([] if args.no_round_robin else ["round-robin"])
     try:
         runs = tune(name, tasks, args.trials, strategies, args.seed, measurer,

@@ -20,7 +20,7 @@ from tensortune.codegen.ir import LoweredFunc
 from tensortune.codegen.llvm_codegen import generate_llvm_ir
 from tensortune.codegen.lower import lower
 from tensortune.codegen.target import Target, parse_target
-from tensortune.codegen.timing import ErrorCode, TimingConfig, flush_cpu_cache, load_reference, time_runs
+from tensortune.codegen.timing import FLUSH_BYTES, ErrorCode, TimingConfig, flush_cpu_cache, load_reference, time_runs
 from tensortune.schedule.layout_rewrite import WeightLayout, weight_layouts
 from tensortune.schedule.state import State
 from tensortune.tasks import te
@@ -199,14 +199,15 @@ def pool_waker(threads: int) -> PoolWaker:
     return PoolWaker(threads)
 
 
-def cold_start(activations: list[np.ndarray], threads: int) -> Callable[[], None]:
-    """What a network's kernel meets when it starts, before each cold timed run: every cache flushed
-    (its weights come from memory, codegen.timing.NETWORK_TIMING), its activation inputs read back in
-    (the kernel before it just wrote them) and the thread pool awake (the kernel before it just ran)."""
+def cold_start(activations: list[np.ndarray], threads: int, flush_bytes: int = FLUSH_BYTES) -> Callable[[], None]:
+    """What a network's kernel meets when it starts, before each cold timed run: the network's footprint
+    streamed through the caches (its weights are where the rest of the network left them,
+    codegen.timing.NETWORK_TIMING), its activation inputs read back in (the kernel before it just wrote
+    them) and the thread pool awake (the kernel before it just ran)."""
     wake = pool_waker(threads)
 
     def prepare() -> None:
-        flush_cpu_cache()
+        flush_cpu_cache(flush_bytes)
         for a in activations:
             a.view(np.uint8).sum()
         wake()
@@ -244,8 +245,8 @@ def run_artifact(task: SearchTask, artifact: Artifact, cfg: TimingConfig) -> tup
     best = _BEST_SEEN.get(task.workload_key)
     cutoff = best * cfg.slow_factor if best is not None and cfg.slow_factor > 0 else None
     activations = [a for t, a in zip(task.dag.inputs, args) if t.name not in task.layout_rewrite]
-    costs = time_runs(lambda n: kernel.run_packed(packed, n), cfg, cold_start(activations, threads), warm=warm,
-                      cutoff_s=cutoff)
+    costs = time_runs(lambda n: kernel.run_packed(packed, n), cfg, cold_start(activations, threads, cfg.flush_bytes),
+                      warm=warm, cutoff_s=cutoff)
     if kernel.threads_seen not in (0, threads):
         return [], int(ErrorCode.RUNTIME_DEVICE), (
             f"the kernel's parallel loops ran on {kernel.threads_seen} threads, its target asks for {threads} "

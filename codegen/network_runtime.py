@@ -36,6 +36,78 @@ NETWORK_TOLERANCE = 1e-3
 
 # ------------------------------------------------------------------------------------ compiled network
 
+class _Arena:
+    """Liveness-planned storage: freed blocks are reused for later buffers of at most their size."""
+
+    def __init__(self):
+        self.free: list[np.ndarray] = []
+        self.total_bytes = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        fits = [i for i, b in enumerate(self.free) if b.nbytes >= nbytes]
+        if fits:
+            return self.free.pop(min(fits, key=lambda i: self.free[i].nbytes))
+        raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+        start = (-raw.ctypes.data) % ALIGN
+        self.total_bytes += nbytes
+        return raw[start: start + nbytes]
+
+    def give(self, block: np.ndarray) -> None:
+        self.free.append(block)
+
+
+def _view(block: np.ndarray, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    return block[:n].view(dtype).reshape(shape)
+
+
+def plan_buffers(net: NetworkTasks, arena: _Arena) -> dict[str, np.ndarray]:
+    """Every group output's block: taken from `arena` and given back after the last group that reads it
+    (graph outputs get blocks of their own, never reused)."""
+    graph, groups = net.graph, net.groups
+    def root(v: str) -> str:
+        return net.aliases.get(v, v)
+    pinned = {root(v) for v in graph.outputs}
+    last_use: dict[str, int] = {}
+    for i, g in enumerate(groups):
+        for v in g.inputs:
+            last_use[root(v)] = i
+    planned, live = {}, {}
+    for i, g in enumerate(groups):
+        info = graph.values[g.output]
+        nbytes = info.size * np.dtype(info.dtype).itemsize
+        if g.output in pinned:
+            planned[g.output] = _Arena().take(nbytes)
+        else:
+            planned[g.output] = live[g.output] = arena.take(nbytes)
+        for r in {root(v) for v in g.inputs} | {g.output}:
+            if r in live and last_use.get(r, i) <= i:
+                arena.give(live.pop(r))
+    return planned
+
+
+def touched_bytes(net: NetworkTasks) -> int:
+    """Bytes one run of the network reads or writes, each once: its inputs, the constants its groups read
+    (a gathered table by the rows taken: BERT reads 128 of its 30522 word embeddings), the planned arena
+    and its outputs. Between two runs of one kernel the rest of the network streams about this much
+    through the caches: the cold timing of network tuning streams as much (TimingConfig.flush_bytes).
+    The direct forms count: a Winograd form's larger weight is not in it."""
+    graph = net.graph
+    gathered = {n.inputs[0] for n in graph.nodes if n.op == "gather"}
+    def nbytes(v: str) -> int:
+        return graph.values[v].size * np.dtype(graph.values[v].dtype).itemsize
+    read: dict[str, int] = {}
+    for g in net.groups:
+        for v in g.inputs:
+            r = net.aliases.get(v, v)
+            if r in graph.constants:
+                read[r] = nbytes(g.output) if r in gathered else graph.constants[r].nbytes
+    arena = _Arena()
+    plan_buffers(net, arena)
+    return (sum(read.values()) + sum(nbytes(v) for v in graph.inputs) + arena.total_bytes
+            + sum(nbytes(v) for v in graph.outputs))
+
+
 @dataclass
 class TaskKernel:
     """The compiled kernel of one unique task and where its schedule came from."""
@@ -95,31 +167,6 @@ class Latency:
         return 1e3 * float(np.std(self.runs))
 
 
-class _Arena:
-    """Liveness-planned storage: freed blocks are reused for later buffers of at most their size."""
-
-    def __init__(self):
-        self.free: list[np.ndarray] = []
-        self.total_bytes = 0
-
-    def take(self, nbytes: int) -> np.ndarray:
-        fits = [i for i, b in enumerate(self.free) if b.nbytes >= nbytes]
-        if fits:
-            return self.free.pop(min(fits, key=lambda i: self.free[i].nbytes))
-        raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-        start = (-raw.ctypes.data) % ALIGN
-        self.total_bytes += nbytes
-        return raw[start: start + nbytes]
-
-    def give(self, block: np.ndarray) -> None:
-        self.free.append(block)
-
-
-def _view(block: np.ndarray, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    n = math.prod(shape) * np.dtype(dtype).itemsize
-    return block[:n].view(dtype).reshape(shape)
-
-
 class CompiledNetwork:
     """A network ready to run: kernels per task, planned buffers, packed argument lists."""
 
@@ -153,26 +200,9 @@ class CompiledNetwork:
         return self.arrays[value]
 
     def _plan(self) -> None:
-        """Assign every group output a block; free a block after the last group that reads it."""
-        graph, groups = self.net.graph, self.net.groups
-        pinned = {self._root(v) for v in graph.outputs}
-        last_use: dict[str, int] = {}
-        for i, g in enumerate(groups):
-            for v in g.inputs:
-                last_use[self._root(v)] = i
-        blocks: dict[str, np.ndarray] = {}
-        for i, g in enumerate(groups):
-            info = graph.values[g.output]
-            nbytes = info.size * np.dtype(info.dtype).itemsize
-            if g.output in pinned:
-                block = _Arena().take(nbytes)
-            else:
-                block = self.arena.take(nbytes)
-                blocks[g.output] = block
-            self.arrays[g.output] = _view(block, info.shape, info.dtype)
-            for root in {self._root(v) for v in g.inputs} | {g.output}:
-                if root in blocks and last_use.get(root, i) <= i:
-                    self.arena.give(blocks.pop(root))
+        for value, block in plan_buffers(self.net, self.arena).items():
+            info = self.net.graph.values[value]
+            self.arrays[value] = _view(block, info.shape, info.dtype)
 
     # ------------------------------------------------------------------ running
 

@@ -32,6 +32,9 @@ class ErrorCode(IntEnum):
     UNKNOWN_ERROR = 8
 
 
+FLUSH_BYTES = 64 << 20     # twice the largest L3 measured here (32 MiB): a flush this long empties the caches
+
+
 @dataclass(frozen=True)
 class TimingConfig:
     """number runs per repeat (raised until a repeat lasts min_repeat_ms), repeat repeats, optional flush."""
@@ -43,14 +46,24 @@ class TimingConfig:
     warmup: int = 1
     reference: str | None = None      # the task's reference file (set by the runner; see reference_file)
     slow_factor: float = 20.0         # one run this many times slower than the best seen: stop timing (0: off)
+    # bytes streamed through the caches before each cold run (flush_cache): a network's footprint
+    # (codegen.network_runtime.touched_bytes) where the tuner knows the network, else all it takes to
+    # empty every cache. Capped at FLUSH_BYTES.
+    flush_bytes: int = FLUSH_BYTES
 
 
 # How network tuning times a kernel: each run with the CPU caches flushed first (TVM's
 # enable_cpu_cache_flush, which its network-tuning tutorials turn on). Inside a network a kernel's
-# weights come from memory (ResNet-18's 44 MiB of weights outlive any cache between two uses of one
-# layer), while a kernel timed warm, back to back, reads them from cache: warm timings made the network
-# estimate 18-24 % short of the measured network (docs/results/network_resnet18_1152.json) and steer the
-# search toward programs that only win warm. Single-operator tuning stays warm, as libraries are timed.
+# weights come from as far as the rest of the network pushed them: ResNet-18's 44 MiB of weights
+# outlive a 32 MiB L3 between two uses of one layer, while a kernel timed warm, back to back, reads them
+# from cache: warm timings made the network estimate 18-24 % short of the measured network
+# (docs/results/network_resnet18_1152.json) and steer the search toward programs that only win warm.
+# Single-operator tuning stays warm, as libraries are timed.
+# How far is the network's footprint (flush_bytes, set by the tuner that knows the network): between two
+# runs of one kernel the network streams about that many bytes through the caches, so streaming as many
+# leaves in cache what the network leaves. MobileNet-V2 (13 MiB of weights, a 10 MiB arena) keeps its
+# weights in a 32 MiB L3: flushing 64 MiB put its estimate 18 % above the measured network, its
+# footprint (24 MiB) 1 % below (Zen 5, default schedules; ResNet-18 0.99 both ways).
 # The flush leaves more cold than the network does: a CPU runner reads the kernel's activation inputs
 # back in and wakes the thread pool before each run (llvm_backend.cold_start), as the kernel before it
 # in the network would have left them. Without that, MobileNet-V2's estimate ran 62 % above its
@@ -117,17 +130,17 @@ def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[
     return costs
 
 
-_FLUSH_BYTES = 64 << 20
-
-
 @lru_cache(maxsize=1)
 def _flush_buffer() -> np.ndarray:
-    return np.zeros(_FLUSH_BYTES // 8)
+    return np.zeros(FLUSH_BYTES // 8)
 
 
-def flush_cpu_cache() -> None:
+def flush_cpu_cache(nbytes: int = FLUSH_BYTES) -> None:
+    """Stream `nbytes` (at most FLUSH_BYTES) through the caches, read and written, as the rest of a
+    network does between two runs of one kernel. Always the same memory, as the network's is: what
+    fits stays cached beside the kernel's own data, as it would in the network."""
     buf = _flush_buffer()
-    buf += 1.0
+    buf[:max(1, min(nbytes, FLUSH_BYTES) // 8)] += 1.0
 
 
 REFERENCE_SEED = 1234

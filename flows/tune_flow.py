@@ -33,7 +33,7 @@ from tensortune.flows.dask_measure import DaskMeasurer
 from tensortune.flows.measure_targets import MeasureTarget, measure_node_targets, resolve_measure_target
 from tensortune.flows.retrain import NewestModel, Trainer, load_newest, retrain
 from tensortune.flows.tuned_network import GAP_WARNING, TunedNetworkTiming, measure_tuned_network_job
-from tensortune.flows.tuning import NetworkTuner, Proposal
+from tensortune.flows.tuning import NetworkTuner, Proposal, network_tasks, network_timing
 from tensortune.search.sketch_policy import SearchParams
 from tensortune.search.task_scheduler import INF_COST, Objective, network_objective
 from tensortune.storage.models import ModelStore
@@ -86,12 +86,15 @@ class TimingOptions(BaseModel):
     check_correctness: bool | None = None
     warmup: int | None = Field(None, ge=0)
     slow_factor: float | None = Field(None, ge=0)
+    flush_bytes: int | None = Field(None, ge=0, description="bytes streamed through the caches before each "
+                                    "cold run (default: the network's footprint)")
     build_timeout: float = Field(15.0, gt=0, description="seconds one candidate's build may take")
     run_timeout: float = Field(10.0, gt=0, description="seconds one candidate's timing may take")
 
-    def config(self) -> TimingConfig:
+    def config(self, base: TimingConfig = NETWORK_TIMING) -> TimingConfig:
+        """These options over `base` (the network's timing, flows.tuning.network_timing, in a network flow)."""
         fields = self.model_dump(exclude_none=True, exclude={"build_timeout", "run_timeout"})
-        return TimingConfig(**{**asdict(NETWORK_TIMING), **fields})
+        return TimingConfig(**{**asdict(base), **fields})
 
 
 def search_options(search: SearchOptions | dict[str, Any] | None) -> SearchOptions:
@@ -163,10 +166,10 @@ def extract_network_tasks(network: str, target: str, options: dict[str, Any],
                           winograd_tiles: Sequence[int] = ()) -> tuple[NetworkTasks, list[SearchTask]]:
     """The network's tuning tasks (fused subgraphs, deduplicated, weighted) for the target; with
     `winograd_tiles`, also the Winograd forms of its eligible convs."""
-    from tensortune.flows.tuning import network_tasks
     graph = load_graph(network, **options)
     net, tasks = network_tasks(graph, target, winograd_tiles)
-    get_run_logger().info(f"{graph.name}: {len(tasks)} tasks, {net.total_flops / 1e9:.3f} GFLOP per run, "
+    get_run_logger().info(f"{graph.name}: {len(tasks)} tasks, {net.total_flops / 1e9:.3f} GFLOP and "
+                          f"{network_timing(net).flush_bytes / 2**20:.1f} MiB touched per run, "
                           f"target {tasks[0].target if tasks else target}")
     return net, tasks
 
@@ -382,10 +385,11 @@ def measure_target(client, target: str) -> MeasureTarget:
 
 
 def _measurer(client, timing: TimingOptions | dict[str, Any] | None,
-              workers: tuple[str, ...] = ()) -> DaskMeasurer:
-    # network tuning times kernels as the network runs them: caches flushed (codegen.timing.NETWORK_TIMING)
+              workers: tuple[str, ...] = (), base: TimingConfig = NETWORK_TIMING) -> DaskMeasurer:
+    # network tuning times kernels as the network runs them: its footprint streamed through the caches
+    # first (codegen.timing.NETWORK_TIMING, flows.tuning.network_timing)
     options = timing_options(timing)
-    return DaskMeasurer(client, timing=options.config(), build_timeout=options.build_timeout,
+    return DaskMeasurer(client, timing=options.config(base), build_timeout=options.build_timeout,
                         run_timeout=options.run_timeout, workers=workers)
 
 
@@ -436,8 +440,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
         if not tasks:
             raise ValueError(f"{network} has no tuning tasks")
         summary = tune_tasks(tasks, network=network, trials=trials, records=records,
-                             measurer=_measurer(client, timing, where.workers), per_round=per_round,
-                             retrain_every=retrain_every,
+                             measurer=_measurer(client, timing, where.workers, network_timing(net)),
+                             per_round=per_round, retrain_every=retrain_every,
                              model_warmup=model_warmup, strategy=strategy, seed=seed, search=search,
                              flow_run_id=_flow_run_id(), latency_target_ms=latency_target_ms,
                              early_stopping_task=early_stopping_task, objective=objective,

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from tensortune.codegen.measure import LocalRunner, Measurer, MeasureResult, ProgramMeasurer
+from tensortune.codegen.network_runtime import touched_bytes
 from tensortune.codegen.target import make_task
-from tensortune.codegen.timing import NETWORK_TIMING
+from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
@@ -370,10 +371,16 @@ class NetworkTuner:
         return True
 
 
-def network_measurer() -> ProgramMeasurer:
-    """The local measurer network tuning uses: kernels timed as the network runs them, caches flushed
-    (codegen.timing.NETWORK_TIMING); the flow's Dask measurer uses the same configuration."""
-    return ProgramMeasurer(runner=LocalRunner(config=NETWORK_TIMING))
+def network_measurer(net: NetworkTasks | None = None) -> ProgramMeasurer:
+    """The local measurer network tuning uses: kernels timed as the network runs them, the network's
+    footprint streamed through the caches first (codegen.timing.NETWORK_TIMING; without `net`, every
+    cache flushed); the flow's Dask measurer uses the same configuration."""
+    return ProgramMeasurer(runner=LocalRunner(config=network_timing(net)))
+
+
+def network_timing(net: NetworkTasks | None) -> TimingConfig:
+    """NETWORK_TIMING with `net`'s footprint as the bytes flushed before each cold run."""
+    return NETWORK_TIMING if net is None else replace(NETWORK_TIMING, flush_bytes=touched_bytes(net))
 
 
 def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measurer: Measurer | None = None,
@@ -388,6 +395,7 @@ def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measur
     `network`: its tasks (with `form_sets`, the sets of alternative forms among them), or a builder
     name / Graph (then split with `network_tasks(network, target, winograd_tiles, **network_options)`);
     records are labelled with `network_name` (default: the graph's name)."""
+    net = None
     if isinstance(network, list):
         tasks = network
     else:
@@ -395,7 +403,7 @@ def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measur
         network_name = network_name or net.source.name
         form_sets = net.form_sets()
     own = measurer is None
-    measurer = measurer or network_measurer()
+    measurer = measurer or network_measurer(net)
     try:
         tuner = NetworkTuner(tasks, trials, measurer, model=model, params=params, records=records,
                              strategy=strategy, objective=objective, seed=seed, flow_run_id=flow_run_id,

@@ -6,10 +6,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from tensortune.codegen.measure import LocalRunner
-from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
+from tensortune.codegen.network_runtime import touched_bytes
+from tensortune.codegen.timing import FLUSH_BYTES, NETWORK_TIMING, TimingConfig
 from tensortune.flows.tune_flow import timing_options
-from tensortune.flows.tuning import network_measurer
+from tensortune.flows.tuning import network_measurer, network_timing
+from tensortune.tasks.extract import extract_tasks
+from tensortune.tasks.graph import GraphBuilder
+
+
+def _embedding_network():
+    """ids -> gather from a 1000-row table -> + bias -> softmax: two groups, one intermediate value."""
+    g = GraphBuilder("embed")
+    ids = g.input("ids", (4,), "int64")
+    x = g.add("gather", [g.constant(np.ones((1000, 16), np.float32), "table"), ids], axis=0)
+    x = g.add("add", [x, g.constant(np.ones((16,), np.float32), "bias")])
+    return extract_tasks(g.build([g.add("softmax", [x], axis=1)]))
 
 
 def test_library_and_flow_time_network_kernels_alike():
@@ -23,6 +37,24 @@ def test_library_and_flow_time_network_kernels_alike():
     assert timing_options(None).config() == NETWORK_TIMING
     assert timing_options({"repeat": 5}).config() == replace(NETWORK_TIMING, repeat=5)
     assert not timing_options({"flush_cache": False}).config().flush_cache
+    assert NETWORK_TIMING.flush_bytes == FLUSH_BYTES        # no network known: every cache flushed
+
+
+def test_network_tuning_flushes_as_many_bytes_as_the_network_touches():
+    net = _embedding_network()
+    # ids (4 x int64) + the 4 table rows gathered (not the 64000-byte table) + bias + the one intermediate
+    # [4, 16] in the arena + the output [4, 16]
+    assert touched_bytes(net) == 4 * 8 + 4 * 16 * 4 + 16 * 4 + 4 * 16 * 4 + 4 * 16 * 4
+    timing = network_timing(net)
+    assert timing == replace(NETWORK_TIMING, flush_bytes=touched_bytes(net))
+    library = network_measurer(net)
+    try:
+        assert library.runner.config == timing
+    finally:
+        library.close()
+    # the flow's measurer: the same, and a flush_bytes option still overrides it
+    assert timing_options(None).config(timing) == timing
+    assert timing_options({"flush_bytes": 0}).config(timing).flush_bytes == 0
 
 
 def test_single_operator_tuning_stays_warm():
