@@ -16,6 +16,7 @@ from tensortune.schedule.steps import RfactorStep, SplitStep
 from tensortune.search import utils
 from tensortune.search.params import SearchParams
 from tensortune.tasks.search_task import SearchTask
+from tensortune.tasks.te import DTYPE_BYTES
 
 
 class Condition(Enum):
@@ -354,9 +355,25 @@ def default_rules(target_kind: str) -> list[SketchRule]:
 
 @dataclass
 class Sketch:
-    """A state whose tile sizes are still open. `tunable` lists the split steps to sample."""
+    """A state whose tile sizes are still open. `tunable` lists the split steps to sample;
+    `vector_lanes` maps those that split a stage's innermost output axis (the one its output is
+    contiguous in, and which multi-level tiling leaves innermost) to the vector lanes of its dtype:
+    a tile there that fills whole vectors is what annotation can vectorise (CPU only)."""
     state: State
     tunable: tuple[int, ...]
+    vector_lanes: dict[int, int] = field(default_factory=dict)
+
+
+def contiguous_axis_splits(state: State, tunable: tuple[int, ...], vector_unit_bytes: int) -> dict[int, int]:
+    """The tunable splits of `state` on a stage's last spatial axis -> vector lanes of that stage's dtype."""
+    out = {}
+    for i in tunable:
+        step = state.steps[i]
+        assert isinstance(step, SplitStep)
+        stage = State.replay(state.dag, state.steps[:i]).stages[step.stage_id]
+        if stage.op.axes and stage.iters[step.iter_id].var is stage.op.axes[-1]:
+            out[i] = max(1, vector_unit_bytes // DTYPE_BYTES[stage.op.dtype])
+    return out
 
 
 def generate_sketches(ctx: SketchContext, rules: list[SketchRule] | None = None) -> list[Sketch]:
@@ -383,5 +400,6 @@ def generate_sketches(ctx: SketchContext, rules: list[SketchRule] | None = None)
         tunable = [i for i, st in enumerate(s.steps) if isinstance(st, SplitStep) and None in st.lengths]
         # the split before an rfactor carries a placeholder length of 1: sample it too (as TVM does)
         tunable += [i - 1 for i, st in enumerate(s.steps) if isinstance(st, RfactorStep)]
-        out.append(Sketch(s, tuple(sorted(tunable))))
+        lanes = {} if ctx.is_gpu else contiguous_axis_splits(s, tuple(tunable), ctx.task.hardware.vector_unit_bytes)
+        out.append(Sketch(s, tuple(sorted(tunable)), lanes))
     return out

@@ -145,3 +145,39 @@ def test_outer_tile_level_iterates_the_dominant_operands_own_axes_first():
     # a 2048x256 weight against 64x2048 data: the weight's j leads
     _, sk = _sketches("matmul", 64, 256, 2048)
     assert all([it.name for it in s.state.stage_by_name("C").iters[:2]] == ["j.0", "i.0"] for s in _unpacked(sk))
+
+
+def test_the_contiguous_axis_split_is_drawn_toward_whole_vectors():
+    """The split of j (C's contiguous output axis, innermost after SSRSRS) is marked with the float32
+    lanes of the target's vector unit, and annotation draws its innermost tile as a multiple of them
+    about half the time more than a uniform draw does; the other splits are drawn as before."""
+    import random
+
+    from tensortune.search import annotation
+    from tensortune.search.annotation import fill_tile_sizes
+    task, sk = _sketches("matmul", 512, 512, 512)
+    plain = [s for s in _unpacked(sk) if "CHW" not in _codes(s)][0]
+    lanes = task.hardware.vector_unit_bytes // 4
+    (j_split,) = plain.vector_lanes
+    step = plain.state.steps[j_split]
+    assert plain.vector_lanes[j_split] == lanes and step.extent == 512
+    from tensortune.schedule.state import State
+    before = State.replay(plain.state.dag, plain.state.steps[:j_split])
+    assert before.stages[step.stage_id].iters[step.iter_id].name == "j"      # the axis itself, not a tile of it
+    i_split = next(i for i in plain.tunable if i != j_split)
+
+    def aligned(bias: float, split: int) -> float:
+        old, annotation.VECTOR_TILE_BIAS = annotation.VECTOR_TILE_BIAS, bias
+        try:
+            rng = random.Random(0)
+            draws = [fill_tile_sizes(plain, rng, 64)[split].lengths[-1] for _ in range(400)]
+        finally:
+            annotation.VECTOR_TILE_BIAS = old
+        return sum(d % lanes == 0 for d in draws) / len(draws)
+
+    uniform, biased = aligned(0.0, j_split), aligned(annotation.VECTOR_TILE_BIAS, j_split)
+    assert biased > uniform + 0.3 and biased > 0.5
+    assert abs(aligned(annotation.VECTOR_TILE_BIAS, i_split) - aligned(0.0, i_split)) < 0.1
+    # a GPU task's sketches carry no lanes (its innermost tiles map to threads, not vectors)
+    gpu = make_task(make_dag("matmul", 512, 512, 512), "cuda -arch=sm_80")
+    assert all(not s.vector_lanes for s in generate_sketches(SketchContext(gpu)))
