@@ -246,6 +246,17 @@ def tune(name: str, tasks: list, trials: int, strategies: list[str], seed: int, 
     return out
 
 
+def stored_result(name: str, tasks: list, home: str, form_sets: list):
+    """The best programs and costs a previous run stored in home/gradient (`--records`), read as a tuner
+    resuming from them reads them: `--retime` times the networks again without tuning."""
+    from tensortune.flows.tuning import NetworkTuner
+    from tensortune.storage.records import RecordStore
+    tuner = NetworkTuner(tasks, 0, None, records=RecordStore(os.path.join(home, "gradient")), network_name=name,
+                         form_sets=form_sets)
+    tuner.result.trials = sum(tuner.history)
+    return tuner.result
+
+
 def trials_to_reach(curve, target: float) -> int | None:
     for t, obj in curve:
         if obj <= target * (1 + 1e-9):
@@ -300,13 +311,16 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     feed = graph.random_inputs(args.seed)         # the same inputs for every side
     (input_name,) = feed
 
-    measurer = network_measurer(net)              # as tune_network and the flow time kernels
-    strategies = ["gradient"] + ([] if args.no_round_robin else ["round-robin"])
-    try:
-        runs = tune(name, tasks, args.trials, strategies, args.seed, measurer,
-                    os.path.join(args.records, name) if args.records else None, net.form_sets())
-    finally:
-        measurer.close()          # its runner's thread pool must not meet the timings below
+    if args.retime:
+        runs = {"gradient": (stored_result(name, tasks, os.path.join(args.records, name), net.form_sets()), None)}
+    else:
+        measurer = network_measurer(net)          # as tune_network and the flow time kernels
+        strategies = ["gradient"] + ([] if args.no_round_robin else ["round-robin"])
+        try:
+            runs = tune(name, tasks, args.trials, strategies, args.seed, measurer,
+                        os.path.join(args.records, name) if args.records else None, net.form_sets())
+        finally:
+            measurer.close()      # its runner's thread pool must not meet the timings below
     grad, wall = runs["gradient"]
     best = {t.workload_key: s for t, s in zip(tasks, grad.best_steps) if s}
     costs = {t.workload_key: c for t, c in zip(tasks, grad.best_costs)}
@@ -426,12 +440,20 @@ def main(argv: list[str]) -> int:
                          "sizes (e.g. 4 or 2,4); each group runs its faster form")
     ap.add_argument("--records", metavar="DIR", help="keep the records in DIR/<network>/{warm-up,<strategy>} "
                                                       "(a fresh folder: a stored history would be resumed)")
+    ap.add_argument("--retime", action="store_true", help="no tuning: time the networks built from the records "
+                                                           "an earlier run kept in --records DIR")
     ap.add_argument("--keep-onnx", metavar="DIR", help="write the exported ONNX files to DIR (default: a "
                                                        "temporary folder, removed)")
     args = ap.parse_args(argv)
     unknown = [n for n in args.networks if n not in NETWORK_OPTIONS]
     if unknown:
         ap.error(f"unknown network(s) {unknown}; known: {', '.join(NETWORK_OPTIONS)}")
+    if args.retime:
+        missing = [n for n in args.networks
+                   if not args.records or not os.path.isdir(os.path.join(args.records, n, "gradient"))]
+        if missing:
+            ap.error(f"--retime needs the records of an earlier run: no {args.records or '--records DIR'}/"
+                     f"<network>/gradient for {', '.join(missing)}")
     folder = args.keep_onnx or tempfile.mkdtemp(prefix="tensortune-bench-onnx-")
     os.makedirs(folder, exist_ok=True)
     rows = []

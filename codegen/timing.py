@@ -59,7 +59,7 @@ class TimingConfig:
 # from cache: warm timings made the network estimate 18-24 % short of the measured network
 # (docs/results/network_resnet18_1152.json) and steer the search toward programs that only win warm.
 # Single-operator tuning stays warm, as libraries are timed.
-# How far is the network's footprint (flush_bytes, set by the tuner that knows the network): between two
+# How far: the network's footprint (flush_bytes, set by the tuner that knows the network). Between two
 # runs of one kernel the network streams about that many bytes through the caches, so streaming as many
 # leaves in cache what the network leaves. MobileNet-V2 (13 MiB of weights, a 10 MiB arena) keeps its
 # weights in a 32 MiB L3: flushing 64 MiB put its estimate 18 % above the measured network, its

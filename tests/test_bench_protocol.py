@@ -293,3 +293,18 @@ def test_builtin_agreement_names_the_tasks_that_differ():
                                                                                 name="matmul_mul")])
     assert not got["same"] and got["imported_only"] == ["matmul_div"] and got["builtin_only"] == ["matmul_mul"]
     assert got["weights_differ"] == ["conv"]
+
+
+def test_retime_without_the_records_of_a_run_is_one_line_before_anything_starts(tmp_path, monkeypatch, capsys):
+    from bench.network import main
+    for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "resnet-18" / "gradient").mkdir(parents=True)       # one network's records, not the other's
+    with pytest.raises(SystemExit) as exit_:
+        main(["resnet-18", "bert-base", "--retime", "--records", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"--retime needs the records of an earlier run: no {tmp_path}/<network>/gradient for bert-base")
+    with pytest.raises(SystemExit):
+        main(["resnet-18", "--retime"])
+    assert "no --records DIR/<network>/gradient for resnet-18" in capsys.readouterr().err
