@@ -95,6 +95,42 @@ def test_helpers_exit_with_a_killed_parent(tmp_path):
     assert not any(_alive(p) for p in helpers), "a helper outlived its parent"
 
 
+def test_a_helper_shut_down_skips_the_interpreter_teardown(tmp_path):
+    """A helper leaves by the first exit handler (_start_helper): it never frees its heap object by
+    object. Shown without a clock: an object whose finaliser writes a file (as the teardown of the
+    helper's module globals would call it) has not written it once the helper is gone; a plain pool
+    process, the control, has."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tensortune.search.feature_pool import _start_helper
+    for helper in (True, False):
+        mark = tmp_path / f"finalised-{helper}"
+        kw = {"initializer": _start_helper, "initargs": (os.getpid(),)} if helper else {}
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), **kw) as pool:
+            pid = pool.submit(_keep_a_finaliser, str(mark)).result()
+        while _alive(pid):                  # shutdown(wait=True) joined it; a zombie is reaped here
+            time.sleep(0.05)
+        assert mark.exists() != helper
+
+
+class _WritesWhenFinalised:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __del__(self, _open=open):     # bound now: at teardown the builtins may be gone
+        with _open(self.path, "w") as f:
+            f.write("finalised")
+
+
+_KEPT: list = []
+
+
+def _keep_a_finaliser(path: str) -> int:
+    _KEPT.append(_WritesWhenFinalised(path))
+    return os.getpid()
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
