@@ -382,7 +382,10 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
            # task_best_ms (timed alone by the tuner): where the estimate and the network part
            "task_in_network_ms": in_network_breakdown(built["tuned"], tasks)}
     withhold_failed(row)
+    # the estimate against the network as the Python runtime runs it (a ctypes call per kernel, a few us
+    # each) and as the compiled library runs it (what a user deploys; a native loop of calls)
     row["est_vs_measured"] = (row["est_latency_ms"] / row["tuned_ms"]) if row["tuned_ms"] else None
+    row["est_vs_compiled"] = (row["est_latency_ms"] / row["compiled_ms"]) if row["compiled_ms"] else None
     if row["compiled_ms"] and row["tuned_ms"]:
         row["compiled_vs_python_runtime"] = row["tuned_ms"] / row["compiled_ms"]
     # > 1: the layout rewrite made the tuned network faster than its programs with plain-layout weights
@@ -478,7 +481,7 @@ def main(argv: list[str]) -> int:
                  "compiled_ms", "plain_ms", "dispatch_ns_per_kernel", "torch_ms", "ort_ms",
                  "tuned_vs_torch", "tuned_vs_torch_pairwise", "tuned_vs_ort", "tuned_vs_ort_pairwise",
                  "compiled_vs_ort", "tuned_vs_plain",
-                 "default_vs_torch", "est_latency_ms", "pairs_ok"])
+                 "default_vs_torch", "est_latency_ms", "est_vs_measured", "est_vs_compiled", "pairs_ok"])
     if any("rr_trials" in r for r in rows):
         print_table(rows, ["network", "gradient_final_objective_ms", "rr_final_objective_ms", "rr_trials",
                            "gradient_trials_to_rr_final"])
