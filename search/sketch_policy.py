@@ -230,7 +230,11 @@ class SketchPolicy:
             self._note(c, cost)
 
     def _note(self, c: Candidate, cost: float) -> None:
-        gflops = self.task.flops / cost / 1e9 if cost and math.isfinite(cost) and cost > 0 else 0.0
+        # a task without FLOPs (a transpose, a copy) counts one operation per run, so its programs rank
+        # by time like any other's: counted as 0 GFLOP/s, none was ever its best, and the network ran its
+        # default schedule whatever the search had measured
+        ok = bool(cost) and math.isfinite(cost) and cost > 0
+        gflops = max(self.task.flops, 1.0) / cost / 1e9 if ok else 0.0
         self.measured[c.key] = gflops
         self.measured_cands[c.key] = c
         if gflops > 0 and (self.best is None or gflops > self.best[0]):

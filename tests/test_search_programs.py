@@ -153,3 +153,17 @@ def test_sampling_mutation_and_features_leave_no_reference_cycles(key):
         gc.garbage.clear()
         gc.enable()
     assert not leaked, f"{len(leaked)} search objects were only freed by the cyclic collector: {leaked[:5]}"
+
+
+def test_a_task_without_flops_keeps_its_fastest_program_as_its_best():
+    """A transpose has no FLOPs: its programs rank by time, so resuming from stored records (or
+    measuring) gives it a best, and the network runs that program instead of the default schedule."""
+    from tensortune.flows.tuning import network_tasks
+    _, tasks = network_tasks("resnet-18", image_size=32)
+    task = next(t for t in tasks if t.flops == 0)
+    policy = SketchPolicy(task, seed=0)
+    slow, fast = policy.sample(2)
+    policy.preload([slow], [float("inf")])              # a failed measurement is never a best
+    assert policy.best is None
+    policy.preload([slow, fast], [2e-5, 1e-5])
+    assert policy.best is not None and policy.best[1] is fast and policy.best_cost == 1e-5
