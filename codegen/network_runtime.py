@@ -39,7 +39,7 @@ NETWORK_TOLERANCE = 1e-3
 class _Arena:
     """Liveness-planned storage: freed blocks are reused for later buffers of at most their size."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.free: list[np.ndarray] = []
         self.total_bytes = 0
 

@@ -39,7 +39,8 @@ def test_flow_tunes_both_forms_and_builds_the_faster(tmp_path, prefect_api, flow
     tasks = out["tasks"]
     assert len(tasks) == 4 and all(t["trials (this run)"] > 0 for t in tasks)
     best = [t["best latency (ms)"] for t in tasks]
-    assert out["estimate_after_s"] * 1e3 == pytest.approx(best[0] + min(best[1:3]) + best[3], rel=1e-3, abs=1e-4)
+    # the table rounds each latency to 1e-4 ms: three terms may each be 0.5e-4 ms off the estimate's own
+    assert out["estimate_after_s"] * 1e3 == pytest.approx(best[0] + min(best[1:3]) + best[3], rel=1e-3, abs=1.5e-4)
     timing = out["network_timing"]
     assert timing["passed"] and timing["tuned_tasks"] == 3 and len(timing["tasks"]) == 3
     assert timing["estimate_s"] == pytest.approx(out["estimate_after_s"], rel=1e-3)
