@@ -123,18 +123,11 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _nbytes(info) -> int:
-    return int(math.prod(info.shape)) * np.dtype(info.dtype).itemsize
-
-
 def plan(net: NetworkTasks, layouts: Mapping[int, Mapping[str, WeightLayout]] | None = None) -> _Plan:
     """Storage of every value; `layouts[task]` names the inputs task's kernel takes rewritten, which
     get their own place in the weights (one per constant and layout)."""
     graph, groups = net.graph, net.groups
     layouts = layouts or {}
-
-    def root(v: str) -> str:
-        return net.aliases.get(v, v)          # a view's storage is that of the value it views
 
     where: dict[str, tuple[str, int]] = {}
     for i, name in enumerate(graph.inputs):
@@ -142,7 +135,7 @@ def plan(net: NetworkTasks, layouts: Mapping[int, Mapping[str, WeightLayout]] | 
     produced = {g.output for g in groups}
     copies: list[tuple[int, str]] = []
     for j, name in enumerate(graph.outputs):
-        r = root(name)
+        r = net.storage(name)
         if r in produced and r not in where:
             where[r] = ("output", j)
         else:
@@ -153,7 +146,7 @@ def plan(net: NetworkTasks, layouts: Mapping[int, Mapping[str, WeightLayout]] | 
     offset = 0
     for gi, g in enumerate(groups):
         for k, v in enumerate(g.inputs):
-            r = root(v)
+            r = net.storage(v)
             lay = layouts.get(g.task, {}).get(net.tasks[g.task].dag.inputs[k].name)
             if r in graph.constants and lay is not None:
                 if (r, lay) not in rewritten:
@@ -173,13 +166,13 @@ def plan(net: NetworkTasks, layouts: Mapping[int, Mapping[str, WeightLayout]] | 
     last_use: dict[str, int] = {}
     for i, g in enumerate(groups):
         for v in g.inputs:
-            last_use[root(v)] = i
+            last_use[net.storage(v)] = i
     free: list[tuple[int, int]] = []           # (offset, size)
     top = 0
     live: dict[str, tuple[int, int]] = {}
     for i, g in enumerate(groups):
         if g.output not in where:
-            nbytes = _nbytes(graph.values[g.output])
+            nbytes = graph.values[g.output].nbytes
             fits = [k for k, (_, size) in enumerate(free) if size >= nbytes]
             if fits:
                 block = free.pop(min(fits, key=lambda k: free[k][1]))
@@ -188,11 +181,11 @@ def plan(net: NetworkTasks, layouts: Mapping[int, Mapping[str, WeightLayout]] | 
                 top += block[1]
             live[g.output] = block
             where[g.output] = ("arena", block[0])
-        for r in {root(v) for v in g.inputs} | {g.output}:
+        for r in {net.storage(v) for v in g.inputs} | {g.output}:
             if r in live and last_use.get(r, i) <= i:
                 free.append(live.pop(r))
-    missing = [root(v) for gi, g in enumerate(groups) for k, v in enumerate(g.inputs)
-               if root(v) not in where and (gi, k) not in group_consts]
+    missing = [net.storage(v) for gi, g in enumerate(groups) for k, v in enumerate(g.inputs)
+               if net.storage(v) not in where and (gi, k) not in group_consts]
     if missing:
         raise AOTError(f"no storage for value(s) {sorted(set(missing))}: not an input, constant or task output")
     return _Plan(where, top, consts, offset, copies, group_consts, rewritten)
@@ -244,9 +237,6 @@ def driver_ir(net: NetworkTasks, pl: _Plan, p: str, kernel_names: list[str],
     empty non-inlined functions behind a memory barrier, to measure the driver's own cost)."""
     graph = net.graph
 
-    def root(v: str) -> str:
-        return net.aliases.get(v, v)
-
     ins = [(k, tuple(v.shape), v.dtype) for k, v in graph.inputs.items()]
     outs = [(k, tuple(graph.values[k].shape), graph.values[k].dtype) for k in graph.outputs]
     lines = ["@.weights = internal global ptr null, align 8",
@@ -276,7 +266,7 @@ def driver_ir(net: NetworkTasks, pl: _Plan, p: str, kernel_names: list[str],
     tmp = iter(range(1 << 30))
 
     def pointer(value: str, place: tuple[int, int] | None = None) -> str:
-        kind, at = ("const", pl.group_consts[place]) if place in pl.group_consts else pl.where[root(value)]
+        kind, at = ("const", pl.group_consts[place]) if place in pl.group_consts else pl.where[net.storage(value)]
         if kind == "input":
             return f"%in{at}"
         if kind == "output":
@@ -291,7 +281,7 @@ def driver_ir(net: NetworkTasks, pl: _Plan, p: str, kernel_names: list[str],
         body.append(f"  call void @{k}({', '.join('ptr ' + a for a in args)})")
     for j, r in pl.copies:
         body.append(f"  call void @llvm.memcpy.p0.p0.i64(ptr %out{j}, ptr {pointer(r)}, "
-                    f"i64 {_nbytes(graph.values[graph.outputs[j]])}, i1 0)")
+                    f"i64 {graph.values[graph.outputs[j]].nbytes}, i1 0)")
     body.append("  ret i32 0")
     lines.append(f"define i32 @{p}_run(ptr %inputs, ptr %outputs) {{\n" + "\n".join(body) + "\n}")
     return "\n".join(lines) + "\n"

@@ -65,22 +65,19 @@ def plan_buffers(net: NetworkTasks, arena: _Arena) -> dict[str, np.ndarray]:
     """Every group output's block: taken from `arena` and given back after the last group that reads it
     (graph outputs get blocks of their own, never reused)."""
     graph, groups = net.graph, net.groups
-    def root(v: str) -> str:
-        return net.aliases.get(v, v)
-    pinned = {root(v) for v in graph.outputs}
+    pinned = {net.storage(v) for v in graph.outputs}
     last_use: dict[str, int] = {}
     for i, g in enumerate(groups):
         for v in g.inputs:
-            last_use[root(v)] = i
+            last_use[net.storage(v)] = i
     planned, live = {}, {}
     for i, g in enumerate(groups):
-        info = graph.values[g.output]
-        nbytes = info.size * np.dtype(info.dtype).itemsize
+        nbytes = graph.values[g.output].nbytes
         if g.output in pinned:
             planned[g.output] = _Arena().take(nbytes)
         else:
             planned[g.output] = live[g.output] = arena.take(nbytes)
-        for r in {root(v) for v in g.inputs} | {g.output}:
+        for r in {net.storage(v) for v in g.inputs} | {g.output}:
             if r in live and last_use.get(r, i) <= i:
                 arena.give(live.pop(r))
     return planned
@@ -94,18 +91,16 @@ def touched_bytes(net: NetworkTasks) -> int:
     The direct forms count: a Winograd form's larger weight is not in it."""
     graph = net.graph
     gathered = {n.inputs[0] for n in graph.nodes if n.op == "gather"}
-    def nbytes(v: str) -> int:
-        return graph.values[v].size * np.dtype(graph.values[v].dtype).itemsize
     read: dict[str, int] = {}
     for g in net.groups:
         for v in g.inputs:
-            r = net.aliases.get(v, v)
+            r = net.storage(v)
             if r in graph.constants:
-                read[r] = nbytes(g.output) if r in gathered else graph.constants[r].nbytes
+                read[r] = graph.values[g.output].nbytes if r in gathered else graph.constants[r].nbytes
     arena = _Arena()
     plan_buffers(net, arena)
-    return (sum(read.values()) + sum(nbytes(v) for v in graph.inputs) + arena.total_bytes
-            + sum(nbytes(v) for v in graph.outputs))
+    return (sum(read.values()) + sum(graph.values[v].nbytes for v in graph.inputs) + arena.total_bytes
+            + sum(graph.values[v].nbytes for v in graph.outputs))
 
 
 @dataclass
@@ -190,13 +185,10 @@ class CompiledNetwork:
             args.append(self._array(g.output))
             self._calls.append((kernel, kernel.pack(args), args))
 
-    def _root(self, value: str) -> str:
-        return self.net.aliases.get(value, value)
-
     def _array(self, value: str) -> np.ndarray:
         if value not in self.arrays:
             info = self.net.graph.values[value]
-            self.arrays[value] = self.arrays[self._root(value)].reshape(info.shape)
+            self.arrays[value] = self.arrays[self.net.storage(value)].reshape(info.shape)
         return self.arrays[value]
 
     def _plan(self) -> None:

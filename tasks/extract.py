@@ -677,6 +677,10 @@ class NetworkTasks:
     def total_flops(self) -> float:
         return sum(t.weight * t.flops for t in self.tasks)
 
+    def storage(self, value: str) -> str:
+        """The value whose storage `value` uses: a view's is that of the value it views."""
+        return self.aliases.get(value, value)
+
     def form_sets(self) -> list[tuple[int, ...]]:
         """Task indices that are forms of one group (direct first), for every task with alternatives:
         the network runs one of each set, so its latency term is their minimum."""

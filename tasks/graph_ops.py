@@ -30,6 +30,10 @@ class TensorInfo:
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
 
 @dataclass
 class Node:
