@@ -367,12 +367,14 @@ class Sketch:
 def contiguous_axis_splits(state: State, tunable: tuple[int, ...], vector_unit_bytes: int) -> dict[int, int]:
     """The tunable splits of `state` on a stage's last spatial axis -> vector lanes of that stage's dtype."""
     out = {}
-    for i in tunable:
-        step = state.steps[i]
-        assert isinstance(step, SplitStep)
-        stage = State.replay(state.dag, state.steps[:i]).stages[step.stage_id]
-        if stage.op.axes and stage.iters[step.iter_id].var is stage.op.axes[-1]:
-            out[i] = max(1, vector_unit_bytes // DTYPE_BYTES[stage.op.dtype])
+    before = State(state.dag)                  # the state each step applies to, replayed once
+    for i, step in enumerate(state.steps[:max(tunable, default=-1) + 1]):
+        if i in tunable:
+            assert isinstance(step, SplitStep)
+            stage = before.stages[step.stage_id]
+            if stage.op.axes and stage.iters[step.iter_id].var is stage.op.axes[-1]:
+                out[i] = max(1, vector_unit_bytes // DTYPE_BYTES[stage.op.dtype])
+        before = step.apply(before)
     return out
 
 
