@@ -89,12 +89,12 @@ class SameGenerationsRandomModel(RandomModel):
 def run_one(key: str, trials: int, model: str, crossover: float, measurer, seed: int, per_round: int,
             overrides: dict | None = None, threads: int = 2):
     from tensortune.codegen.target import make_task
-    from tensortune.flows.tuning import tune_task
+    from tensortune.flows.tuning import make_model, tune_task
     from tensortune.tasks.workload_registry import make_dag
     name, args, _ = WORKLOADS[key]
     task = make_task(make_dag(name, *args), llvm_target(threads))
     params = SearchParams(**{"crossover_prob": crossover, "num_measures_per_round": per_round, **(overrides or {})})
-    cost_model = SameGenerationsRandomModel(seed) if model == "random" else model
+    cost_model = SameGenerationsRandomModel(seed) if model == "random" else make_model(model, seed)
     watch = Stopwatch()
     res = tune_task(task, trials, measurer=measurer, model=cost_model, params=params, seed=seed,
                     progress=lambda log, r: print(f"  {key} [{model}, crossover {crossover}] round {log.round}: "
@@ -104,7 +104,22 @@ def run_one(key: str, trials: int, model: str, crossover: float, measurer, seed:
                                                   flush=True))
     wall = watch.elapsed
     per_round_overhead = [x.search_s + x.train_s for x in res.rounds]
-    return task, res, wall, per_round_overhead
+    return task, res, wall, per_round_overhead, cost_model
+
+
+def history_ranking(cost_model, task, seed: int) -> dict:
+    """How well each objective orders this run's whole history (the programs the search measured), on the
+    same cross-validation folds (XGBModel.cross_validate): issue 19's bar asks >= 0.80 pairwise accuracy.
+    Empty for a model that keeps no features (the random one)."""
+    if not isinstance(cost_model, XGBModel):
+        return {}
+    rows = cost_model.data.get(task.workload_key, [])
+    out = {}
+    for objective in ("regression", "rank"):
+        acc, recall = XGBModel(seed=seed, objective=objective).cross_validate(rows)
+        out[f"history_pairwise_accuracy_{objective}"] = acc
+        out[f"history_recall_at_10_{objective}"] = recall
+    return out
 
 
 def retime_against_library(key: str, task, fastest: list, threads: int, pairs: int = PAIRS,
@@ -235,10 +250,11 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
         for model, cross, label in runs:
             measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
             try:
-                task, res, wall, overhead = run_one(key, args.trials, model, cross, measurer, args.seed,
-                                                    args.per_round, overrides, args.threads)
+                task, res, wall, overhead, cost_model = run_one(key, args.trials, model, cross, measurer,
+                                                                args.seed, args.per_round, overrides, args.threads)
             finally:
                 measurer.close()        # its runner's thread pool must not meet the re-timing's
+            ranking = history_ranking(cost_model, task, args.seed)
             rows.append({"workload": key, "run": label,
                          **retimed(key, task, res.fastest, args.threads, peak, args.pairs),
                          "best_seen_gflops": res.best_gflops,
@@ -248,6 +264,7 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
                          # the cost model's last held-out pairwise accuracy and recall@k on this task's history
                          "model_pairwise_accuracy": _last_finite([x.model_accuracy for x in res.rounds]),
                          "model_recall_at_k": _last_finite([x.model_recall for x in res.rounds]),
+                         **ranking,
                          "fastest_seen": res.fastest,
                          "curve": [[t, g] for t, g in res.curve]})
             lib_ms = rows[-1][f"{rows[-1]['vs']}_ms"]
@@ -291,7 +308,8 @@ def main(argv: list[str]) -> int:
         env["threads_used"] = threads_used(llvm_target(args.threads))
     print(f"threads used: {env['threads_used']}")
     print_table(rows, ["workload", "run", "ms", "gflops", "vs", "numpy_ms", "torch_ms", "ratio", "ratio_pairwise",
-                       "pairs_ok", "peak_frac", "trials", "search_s", "measure_s", "median_search_s_per_round"])
+                       "pairs_ok", "peak_frac", "trials", "search_s", "measure_s", "median_search_s_per_round",
+                       "history_pairwise_accuracy_regression", "history_pairwise_accuracy_rank"])
     print("ratio = median library ms / median ms over the pairs (recomputable from the ms columns); "
           "ratio_pairwise = the median of the per-pair ratios")
     write_json(args.json, rows, env, benchmark="tune")
