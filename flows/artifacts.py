@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence, cast
 from uuid import UUID
@@ -56,6 +57,36 @@ class TaskRow:
                 "trials (this run)": self.trials_run, "trials (total)": self.trials_total}
 
 
+@dataclass
+class RoundTiming:
+    """Where one round's wall time went (a line of the round timeline): the policy's search, the builds
+    and timings on the cluster (the measurer's own split; NaN for a measurer that keeps none), storing
+    the records and teaching policy and scheduler, and the retrain step that followed it, if any."""
+    round: int
+    task: str
+    programs: int
+    search_s: float
+    build_s: float
+    timing_s: float
+    learn_s: float
+    retrain_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "task": self.task, "programs": self.programs,
+                "search s": _num(self.search_s, 3), "build s": _num(self.build_s, 3),
+                "timing s": _num(self.timing_s, 3), "record+learn s": _num(self.learn_s, 3),
+                "retrain s": _num(self.retrain_s, 3)}
+
+
+def round_medians(rounds: Sequence[RoundTiming]) -> dict[str, float | None]:
+    """The median seconds per round of each part (issue 19's bar: search <= 2 s per round of 64)."""
+    out: dict[str, float | None] = {}
+    for part in ("search_s", "build_s", "timing_s", "learn_s", "retrain_s"):
+        values = [v for r in rounds if math.isfinite(v := getattr(r, part))]
+        out[part] = statistics.median(values) if values else None
+    return out
+
+
 def _num(x: float, digits: int) -> float | None:
     return round(float(x), digits) if math.isfinite(x) else None       # JSON has no NaN
 
@@ -92,6 +123,12 @@ def update_progress(artifact_id: UUID, done: int, total: int, text: str) -> None
 def publish_task_table(network: str, target: str, rows: Sequence[TaskRow]) -> UUID:
     return _id(create_table_artifact([r.as_dict() for r in rows], key=artifact_key(network, target, "tasks"),
                                      description=f"Best program per task of {network_label(network)} on {target}"))
+
+
+def publish_round_timeline(network: str, target: str, rounds: Sequence[RoundTiming]) -> UUID:
+    return _id(create_table_artifact([r.as_dict() for r in rounds], key=artifact_key(network, target, "rounds"),
+                                     description=f"Where each round of tuning {network_label(network)} on {target} "
+                                                 "spent its time: search, builds, timings, records, retraining"))
 
 
 def publish_estimate(network: str, target: str, rows: Sequence[TaskRow], before: Sequence[float],

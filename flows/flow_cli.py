@@ -182,6 +182,13 @@ def _print_summary(summary: dict) -> None:
     console.print(f"estimated latency: {ms(summary['estimate_after_s'])} (runtime default schedules "
                   f"{ms(summary['estimate_default_s'])}, start of this run {ms(summary['estimate_before_s'])}); "
                   f"cost model {summary['model_version'] or 'random'}")
+    median = summary.get("round_median_s") or {}
+    if median.get("search_s") is not None:
+        def s(x: float | None) -> str:
+            return f"{x:.1f} s" if x is not None else "n/a"
+        console.print(f"per round (median): search {s(median['search_s'])}, builds {s(median['build_s'])}, "
+                      f"timings {s(median['timing_s'])}, records+learning {s(median['learn_s'])}, "
+                      f"retrain {s(median['retrain_s'])}")
     timing = summary.get("network_timing")
     if timing:
         gap = timing["gap"]

@@ -133,6 +133,7 @@ class Session:
         self.default_latency = [math.nan] * n
         # where the run's time went, inside the steps (the rest of the wall time is orchestration)
         self.seconds = {"search": 0.0, "measure": 0.0, "record+learn": 0.0, "retrain": 0.0}
+        self.timeline: list[artifacts.RoundTiming] = []    # one line per measured round
 
     @property
     def rounds(self) -> int:
@@ -220,6 +221,8 @@ def retrain_cost_model(s: Session, why: str) -> dict[str, Any]:
         load_newest(s.models, s.target, s.model)
     report = retrain(s.trainer, s.records, s.models, s.model)
     s.seconds["retrain"] += time.perf_counter() - t0
+    if s.timeline and why != "start":
+        s.timeline[-1].retrain_s += time.perf_counter() - t0
     log = get_run_logger()
     if report.trained:
         m = report.metrics
@@ -235,11 +238,10 @@ def retrain_cost_model(s: Session, why: str) -> dict[str, Any]:
 @task(name="search-round", task_run_name="search-{label}", **_STEP)
 def search_round(s: Session, i: int, label: str) -> Proposal:
     """Task i's policy proposes a round's programs, none measured before (and the model's scores)."""
-    t0 = time.perf_counter()
     batch = s.tuner.propose(i)
-    s.seconds["search"] += time.perf_counter() - t0
+    s.seconds["search"] += batch.search_s
     get_run_logger().info(f"{s.tasks[i].name} (task {i}): {len(batch.candidates)} programs proposed in "
-                          f"{time.perf_counter() - t0:.1f} s with cost model {s.model.version or 'random'}")
+                          f"{batch.search_s:.1f} s with cost model {s.model.version or 'random'}")
     return batch
 
 
@@ -254,13 +256,17 @@ def measure_batch(s: Session, i: int, batch: Proposal, label: str) -> dict[str, 
     s.tuner.learn(i, batch, results)
     s.seconds["measure"] += t1 - t0
     s.seconds["record+learn"] += time.perf_counter() - t1
+    stats = getattr(s.tuner.measurer, "stats", None)
+    s.timeline.append(artifacts.RoundTiming(
+        round_, f"{i} {task_.name}", len(batch.candidates), batch.search_s,
+        stats.build_s if stats is not None else math.nan, stats.run_s if stats is not None else math.nan,
+        time.perf_counter() - t1))
     for c, r in zip(batch.candidates, results):
         if c.steps_json == s.tuner.default_steps[i] and r.ok:
             s.default_latency[i] = r.mean
     n = len(batch.candidates)
     errors = sum(1 for r in results if not r.ok)
     best = s.best_latency(i)
-    stats = getattr(s.tuner.measurer, "stats", None)
     cost = f" (builds {stats.build_s:.1f} s, timings {stats.run_s:.1f} s)" if stats is not None else ""
     get_run_logger().info(
         f"round {round_}: {task_.name} (task {i}) measured {n} ({errors} errors), best "
@@ -340,6 +346,7 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
         # a run that fails mid-way still shows what it measured (every batch is in the store already)
         rows = s.rows()
         artifacts.publish_task_table(network, target, rows)
+        artifacts.publish_round_timeline(network, target, s.timeline)
         artifacts.publish_estimate(network, target, rows, before, store.location.url, s.model.version,
                                    s.form_sets)
     done = s.done
@@ -353,7 +360,9 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
                "trials": done, "rounds": s.rounds, "model_version": s.model.version,
                "estimate_default_s": artifacts.estimate(weights, s.default_latency, s.form_sets),
                "estimate_before_s": artifacts.estimate(weights, before, s.form_sets), "estimate_after_s": s.estimate(),
-               "seconds": {k: round(v, 3) for k, v in s.seconds.items()}, "tasks": [r.as_dict() for r in rows]}
+               "seconds": {k: round(v, 3) for k, v in s.seconds.items()},
+               "round_median_s": artifacts.round_medians(s.timeline),
+               "tasks": [r.as_dict() for r in rows]}
     log.info(f"done: {done} trials in {s.rounds} rounds; estimated latency "
              f"{_ms(summary['estimate_before_s'])} at the start, {_ms(summary['estimate_after_s'])} now "
              f"(runtime defaults {_ms(summary['estimate_default_s'])}); records in {store.location.url}")

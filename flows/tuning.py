@@ -266,6 +266,7 @@ class Proposal:
     task: int
     candidates: list[Candidate]
     scores: list[float] | None              # the cost model's, None while it ranks at random
+    search_s: float = math.nan              # wall seconds the policy took to propose it
 
 
 class NetworkTuner:
@@ -324,8 +325,9 @@ class NetworkTuner:
     def propose(self, i: int) -> Proposal:
         """Task i's next batch: up to a round's share of the remaining budget, never measured before."""
         n = min(self.per_round, self.trials - self.result.trials)
+        t0 = time.perf_counter()
         batch, scores = propose(self.policies[i], n)
-        return Proposal(i, batch, scores)
+        return Proposal(i, batch, scores, time.perf_counter() - t0)
 
     def measure(self, batch: Proposal) -> list[MeasureResult]:
         if not batch.candidates:

@@ -115,8 +115,17 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     network_md = by_key[artifact_key(network, "llvm", "network")].data
     assert "measured end to end" in network_md and "2/2" in network_md and "OK" in network_md
     assert by_key[artifact_key(network, "llvm", "library")].data.endswith("](file://" + library["folder"] + ")")
+    # the round timeline: one line per round, where its time went
+    timeline = by_key[artifact_key(network, "llvm", "rounds")].data
+    timeline = timeline if isinstance(timeline, list) else __import__("json").loads(timeline)
+    assert [r["round"] for r in timeline] == [0, 1, 2, 3] and all(r["programs"] == 8 for r in timeline)
+    assert all(r["search s"] > 0 and r["build s"] > 0 and r["timing s"] > 0 for r in timeline), timeline
+    assert [r["retrain s"] > 0 for r in timeline] == [False, True, False, True]     # retrained every 2 rounds
+    searches = sorted(r["search s"] for r in timeline)
+    assert first["round_median_s"]["search_s"] == pytest.approx((searches[1] + searches[2]) / 2, abs=2e-3)
     by_type = {a.type: a for a in found if a.key not in (artifact_key(network, "llvm", "network"),
-                                                         artifact_key(network, "llvm", "library"))}
+                                                         artifact_key(network, "llvm", "library"),
+                                                         artifact_key(network, "llvm", "rounds"))}
     assert set(by_type) >= {"progress", "table", "markdown"}
     assert float(by_type["progress"].data) == 100.0
     assert by_type["table"].key == artifact_key(network, "llvm", "tasks")
