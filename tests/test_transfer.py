@@ -79,3 +79,22 @@ def test_records_of_a_task_never_stored_are_skipped_and_named(tuned, tmp_path):
     trainer = Trainer([mine], mine.target, warmup=8, transfer=True)
     assert trainer.read_new(RecordStore(str(copy))) == TRIALS
     assert trainer.unknown == {other.workload_key}
+
+
+def test_the_transfer_benchmark_trains_on_every_task_of_the_history(tuned, tmp_path, capsys):
+    """bench transfer's model (bench.transfer.history_model) has read both stored tasks' records for a
+    task that has none, as the flow's retrain step does; a history without records for the target, or
+    without the folder, is one line and exit 2 before any tuning."""
+    from bench.transfer import history_model, main
+    root, _, other, mine = tuned
+    newcomer = make_task(make_dag("matmul", 128, 128, 128))
+    model, programs, keys, unknown = history_model([root], [newcomer], seed=0)
+    assert programs == 2 * TRIALS and keys == 2 and not unknown
+    assert model.booster is not None and model.n_programs == programs     # (48 < 100: still "random" by warm-up)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        history_model([str(empty)], [newcomer], seed=0)
+    assert "no records for" in str(exit_.value.code)
+    assert main(["resnet-18", "--history", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --history {tmp_path / 'nowhere'}: no such folder"

@@ -1,0 +1,102 @@
+"""`python -m bench transfer`: how many trials does a network's tuning save when its cost model has seen
+other networks' records? (issue 19: ResNet-50 with the history of ResNet-18 and MobileNet-V2 should reach
+the cold run's final estimate in at most half the trials.)
+
+Two runs of the same network, budget and seed, taking turns one round each on one measurer (so this VM's
+drift hits both alike): *cold*, whose model starts empty and samples its first 100 programs at random,
+as a first night does; *transfer*, whose model starts trained on every record of the target in the
+`--history` stores (flows.retrain.Trainer with transfer=True, as the flow's retrain step reads the
+store: other tasks' programs rebuilt from the task files stored beside their records), so the first
+round of every task is already proposed by a model. Both keep learning from their own measurements (the
+transfer model keeps the history in its training data, as the flow's does). The figure: the trials the
+transfer run needs to reach the cold run's final estimated latency, against the cold run's budget.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from bench.common import Stopwatch, environment, llvm_target, print_table, write_json
+from bench.network import trials_to_reach
+
+
+def history_model(history: list[str], tasks: list, seed: int):
+    """An XGBModel trained on every record of the tasks' target in the `history` stores."""
+    from tensortune.flows.retrain import Trainer
+    from tensortune.storage.records import RecordStore
+    trainer = Trainer(tasks, str(tasks[0].target), seed=seed, transfer=True)
+    programs = sum(trainer.read_new(RecordStore(path)) for path in history)
+    if programs == 0:
+        raise SystemExit(f"error: no records for {tasks[0].target} in {', '.join(history)}")
+    if trainer.xgb.fit() is None:
+        raise SystemExit(f"error: {programs} programs in the history are too few to train a model")
+    return trainer.xgb, programs, len(trainer.xgb.data), sorted(trainer.unknown)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench transfer")
+    ap.add_argument("network", nargs="?", default="resnet-50")
+    ap.add_argument("--history", action="append", required=True, metavar="STORE",
+                    help="a record store (root folder) of other networks on this target; repeat for more")
+    ap.add_argument("--trials", type=int, default=2000, help="the cold run's budget (and the transfer run's)")
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the environment and the row to this JSON file")
+    args = ap.parse_args(argv)
+    missing = [p for p in args.history if not os.path.isdir(p)]
+    if missing:
+        print(f"error: --history {missing[0]}: no such folder", file=sys.stderr)
+        return 2
+    if args.trials < 1:
+        print(f"error: --trials must be at least 1, got {args.trials}", file=sys.stderr)
+        return 2
+
+    from tensortune.flows.tuning import NetworkTuner, network_measurer, network_tasks
+    from tensortune.storage.records import RecordStore
+    net, tasks = network_tasks(args.network, llvm_target(args.threads), image_size=args.image_size)
+    with Stopwatch() as train_watch:
+        model, programs, keys, unknown = history_model(args.history, tasks, args.seed)
+    env = environment(args.threads)
+    print(f"transfer model: {programs} programs of {keys} tasks from {len(args.history)} store(s) "
+          f"({train_watch.seconds:.0f} s); held-out pairwise accuracy {model.metrics.pairwise_accuracy:.3f}"
+          + (f"; {len(unknown)} task(s) without a stored description skipped" if unknown else ""), flush=True)
+    home = tempfile.mkdtemp(prefix="tensortune-bench-transfer-")
+    measurer = network_measurer(net)
+    runs = {"cold": "xgb", "transfer": model}
+    tuners = {label: NetworkTuner(tasks, args.trials, measurer, model=m, seed=args.seed, network_name=args.network,
+                                  records=RecordStore(os.path.join(home, label)),
+                                  progress=lambda i, log, r, label=label: print(
+                                      f"  [{label}] {r.trials}/{args.trials} trials, est. "
+                                      f"{r.estimated_latency * 1e3:.3f} ms", flush=True))
+              for label, m in runs.items()}
+    seconds = dict.fromkeys(runs, 0.0)
+    try:
+        busy = True
+        while busy:
+            busy = False
+            for label, t in tuners.items():
+                with Stopwatch() as watch:
+                    busy |= t.step()
+                seconds[label] += watch.seconds
+    finally:
+        measurer.close()
+    cold, warm = tuners["cold"].result, tuners["transfer"].result
+    final = cold.estimated_latency
+    reached = trials_to_reach(warm.curve, final)
+    row = {"network": args.network, "image_size": args.image_size, "target": str(tasks[0].target),
+           "tasks": len(tasks), "trials": args.trials, "history": args.history, "history_programs": programs,
+           "history_tasks": keys, "history_train_s": train_watch.seconds,
+           "history_model_pairwise_accuracy": model.metrics.pairwise_accuracy,
+           "cold_final_ms": final * 1e3, "transfer_final_ms": warm.estimated_latency * 1e3,
+           "transfer_trials_to_cold_final": reached,
+           "trials_fraction": reached / cold.trials if reached is not None else None,
+           "cold_trials_to_own_final": trials_to_reach(cold.curve, final),
+           "cold_s": seconds["cold"], "transfer_s": seconds["transfer"],
+           "cold_curve": cold.curve, "transfer_curve": warm.curve}
+    print_table([row], ["network", "trials", "history_programs", "cold_final_ms", "transfer_final_ms",
+                        "transfer_trials_to_cold_final", "trials_fraction", "cold_s", "transfer_s"])
+    write_json(args.json, [row], env, benchmark="transfer")
+    return 0
