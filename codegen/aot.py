@@ -44,6 +44,7 @@ from typing import Mapping
 
 import numpy as np
 
+from tensortune.codegen.alignment import ALIGN
 from tensortune.codegen.llvm_backend import compile_module, default_triple
 from tensortune.codegen.llvm_codegen import generate_llvm_ir
 from tensortune.codegen.lower import LoweringError, lower
@@ -54,7 +55,6 @@ from tensortune.schedule.layout_rewrite import WeightLayout, weight_layouts
 from tensortune.schedule.stage import IllegalStep
 from tensortune.tasks.extract import NetworkTasks
 
-ALIGN = 64
 FORMAT = 1
 
 

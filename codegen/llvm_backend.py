@@ -15,6 +15,7 @@ from typing import Callable
 import llvmlite.binding as llvm
 import numpy as np
 
+from tensortune.codegen.alignment import aligned
 from tensortune.codegen.artifact import Artifact
 from tensortune.codegen.ir import LoweredFunc
 from tensortune.codegen.llvm_codegen import generate_llvm_ir
@@ -240,6 +241,7 @@ def run_artifact(task: SearchTask, artifact: Artifact, cfg: TimingConfig) -> tup
     else:
         args = artifact.layout_inputs([t.name for t in task.dag.inputs], task.dag.random_inputs(seed=7)) + \
             task.dag.empty_outputs()
+    args = [aligned(a) for a in args]           # as the network stores them (codegen.alignment)
     packed = kernel.pack(args)
     warm = cfg.check_correctness and cfg.reference is not None        # the check already ran it
     best = _BEST_SEEN.get(task.workload_key)

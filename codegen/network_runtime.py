@@ -16,6 +16,7 @@ from typing import Mapping
 
 import numpy as np
 
+from tensortune.codegen.alignment import aligned, aligned_empty
 from tensortune.codegen.llvm_backend import LLVMKernel, build
 from tensortune.codegen.lower import LoweringError
 from tensortune.codegen.target import parse_target
@@ -24,8 +25,6 @@ from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.tasks.extract import ExtractedTask, NetworkTasks
 from tensortune.tasks.graph import contiguous
-
-ALIGN = 64
 
 # A float32 network's outputs are compared with the float64 reference by max |out - ref| / max |ref|.
 # Each layer's float32 result carries a relative error of about sqrt(K) * 2^-24 for K-term dot
@@ -47,10 +46,8 @@ class _Arena:
         fits = [i for i, b in enumerate(self.free) if b.nbytes >= nbytes]
         if fits:
             return self.free.pop(min(fits, key=lambda i: self.free[i].nbytes))
-        raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-        start = (-raw.ctypes.data) % ALIGN
         self.total_bytes += nbytes
-        return raw[start: start + nbytes]
+        return aligned_empty((nbytes,), np.uint8)
 
     def give(self, block: np.ndarray) -> None:
         self.free.append(block)
@@ -169,10 +166,11 @@ class CompiledNetwork:
         self.net, self.kernels = net, kernels
         graph = net.graph
         self.arrays: dict[str, np.ndarray] = {}
+        # every array a kernel reads or writes starts at a 64-byte boundary (codegen.alignment)
         for name, info in graph.inputs.items():
-            self.arrays[name] = np.empty(info.shape, dtype=info.dtype)
+            self.arrays[name] = aligned_empty(info.shape, info.dtype)
         for name, arr in graph.constants.items():
-            self.arrays[name] = contiguous(arr)
+            self.arrays[name] = aligned(contiguous(arr))
         self.arena = _Arena()
         self._plan()
         self._calls = []     # per group: (kernel, packed argument pointers, the arrays they point into)
@@ -181,7 +179,7 @@ class CompiledNetwork:
             dag = net.tasks[g.task].dag
             args = [self._array(v).reshape(t.shape) for v, t in zip(g.inputs, dag.inputs)]
             if kernel.artifact.layouts:       # constant weights stored as the kernel reads them, once
-                args = kernel.artifact.layout_inputs([t.name for t in dag.inputs], args)
+                args = [aligned(a) for a in kernel.artifact.layout_inputs([t.name for t in dag.inputs], args)]
             args.append(self._array(g.output))
             self._calls.append((kernel, kernel.pack(args), args))
 

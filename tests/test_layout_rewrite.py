@@ -182,6 +182,8 @@ def test_network_with_rewritten_weights_equals_the_reference():
     rewritten = [k for k in compiled.kernels if k.kernel.artifact.layouts]
     assert len(rewritten) == sum(bool(t.layout_free) for t in net.tasks) >= 10
     assert all(k.source == "record" for k in compiled.kernels if k.workload_key in records)
+    for kernel, _, args in compiled._calls:       # every array at a 64-byte boundary (codegen.alignment)
+        assert [a.ctypes.data % 64 for a in args] == [0] * len(args), kernel.artifact.func_name
     for seed in (0, 1):
         result = compiled.check(seed=seed)
         assert result.passed, str(result)
@@ -243,3 +245,35 @@ def test_extraction_names_weights_constant_in_every_occurrence():
     _, tasks = network_tasks("resnet-18", TARGET, image_size=32)
     assert all(t.layout_rewrite == ("kernel",) for t in tasks if t.name.startswith("conv2d"))
     assert all(t.layout_rewrite == () for t in tasks if "pool" in t.name)
+
+
+def test_the_runner_and_the_network_hand_kernels_64_byte_aligned_arrays(monkeypatch):
+    """What the tuner times is what the network runs: the runner (run_artifact, called here in this
+    process) packs every argument of the timed kernel at a 64-byte boundary, as the network runtime
+    stores its inputs, constants, rewritten weights and planned buffers (codegen.alignment)."""
+    from tensortune.codegen import llvm_backend
+    from tensortune.codegen.alignment import aligned, aligned_empty
+    dag = make_dag("conv2d", 1, 14, 14, 16, 32, 3, 3, 1, 1)
+    task = make_task(dag, TARGET, layout_rewrite=("kernel",))
+    (state,) = _sampled(task, 1, seed=3)
+    artifact = llvm_backend.build(state, TARGET, rewrite=("kernel",))
+    packed_offsets = []
+    pack = llvm_backend.LLVMKernel.pack
+
+    def recording_pack(self, arrays):
+        packed_offsets.append([a.ctypes.data % 64 for a in arrays])
+        return pack(self, arrays)
+    monkeypatch.setattr(llvm_backend.LLVMKernel, "pack", recording_pack)
+    costs, code, msg = llvm_backend.run_artifact(task, artifact, TimingConfig(number=1, repeat=1, min_repeat_ms=0))
+    assert code == ErrorCode.NO_ERROR and costs, msg
+    n_args = len(dag.inputs) + len(dag.outputs)
+    timed = [offsets for offsets in packed_offsets if len(offsets) == n_args][-1]   # (the pool waker packs 2)
+    assert timed == [0] * n_args
+    monkeypatch.undo()
+
+    # (the network runtime's arrays: test_network_with_rewritten_weights_equals_the_reference)
+    # the helpers: a copy only where needed, the values kept
+    a = np.arange(10, dtype=np.float32)[1:]
+    b = aligned(a)
+    assert b.ctypes.data % 64 == 0 and np.array_equal(a, b) and aligned(b) is b
+    assert aligned_empty((3, 5), "float64").shape == (3, 5) and aligned_empty((), np.int32).shape == ()
