@@ -227,14 +227,8 @@ def tune(name: str, tasks: list, trials: int, strategies: list[str], seed: int, 
         shutil.copytree(os.path.join(home, "warm-up"), os.path.join(home, s))
         tuners[s] = tuner(s, trials - warm_trials, s)
         tuners[s].per_round = warm.per_round       # the round size of the whole budget, as in one run
-    seconds = dict.fromkeys(strategies, warm_watch.seconds)
-    busy = True
-    while busy:
-        busy = False
-        for s, t in tuners.items():
-            with Stopwatch() as watch:
-                busy |= t.step()
-            seconds[s] += watch.seconds
+    seconds = take_turns(tuners)
+    seconds = {s: warm_watch.seconds + seconds[s] for s in strategies}
     out = {}
     for s, t in tuners.items():
         res = t.result
@@ -244,6 +238,20 @@ def tune(name: str, tasks: list, trials: int, strategies: list[str], seed: int, 
     if records is None:
         shutil.rmtree(home, ignore_errors=True)
     return out
+
+
+def take_turns(tuners: dict) -> dict[str, float]:
+    """Step the tuners one round each, in turn, until none has a round left (so that this VM's drift hits
+    them alike); returns the seconds each spent."""
+    seconds = dict.fromkeys(tuners, 0.0)
+    busy = True
+    while busy:
+        busy = False
+        for label, t in tuners.items():
+            with Stopwatch() as watch:
+                busy |= t.step()
+            seconds[label] += watch.seconds
+    return seconds
 
 
 def stored_result(name: str, tasks: list, home: str, form_sets: list):

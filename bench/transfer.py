@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 
 from bench.common import Stopwatch, environment, llvm_target, print_table, write_json
-from bench.network import trials_to_reach
+from bench.network import take_turns, trials_to_reach
 
 
 def history_model(history: list[str], tasks: list, seed: int):
@@ -41,6 +42,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--history", action="append", required=True, metavar="STORE",
                     help="a record store (root folder) of other networks on this target; repeat for more")
     ap.add_argument("--trials", type=int, default=2000, help="the cold run's budget (and the transfer run's)")
+    ap.add_argument("--per-round", type=int, default=64,
+                    help="programs per round: a finite estimate needs a round of every task, so the transfer run "
+                         "can only reach the cold one's in half the trials if tasks x per-round is under half")
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -50,11 +54,13 @@ def main(argv: list[str]) -> int:
     if missing:
         print(f"error: --history {missing[0]}: no such folder", file=sys.stderr)
         return 2
-    if args.trials < 1:
-        print(f"error: --trials must be at least 1, got {args.trials}", file=sys.stderr)
+    if args.trials < 1 or args.per_round < 1:
+        print(f"error: --trials and --per-round must be at least 1, got {args.trials} and {args.per_round}",
+              file=sys.stderr)
         return 2
 
     from tensortune.flows.tuning import NetworkTuner, network_measurer, network_tasks
+    from tensortune.search.sketch_policy import SearchParams
     from tensortune.storage.records import RecordStore
     net, tasks = network_tasks(args.network, llvm_target(args.threads), image_size=args.image_size)
     with Stopwatch() as train_watch:
@@ -66,28 +72,25 @@ def main(argv: list[str]) -> int:
     home = tempfile.mkdtemp(prefix="tensortune-bench-transfer-")
     measurer = network_measurer(net)
     runs = {"cold": "xgb", "transfer": model}
-    tuners = {label: NetworkTuner(tasks, args.trials, measurer, model=m, seed=args.seed, network_name=args.network,
+    params = SearchParams(num_measures_per_round=args.per_round)
+    tuners = {label: NetworkTuner(tasks, args.trials, measurer, model=m, params=params, seed=args.seed,
+                                  network_name=args.network,
                                   records=RecordStore(os.path.join(home, label)),
                                   progress=lambda i, log, r, label=label: print(
                                       f"  [{label}] {r.trials}/{args.trials} trials, est. "
                                       f"{r.estimated_latency * 1e3:.3f} ms", flush=True))
               for label, m in runs.items()}
-    seconds = dict.fromkeys(runs, 0.0)
     try:
-        busy = True
-        while busy:
-            busy = False
-            for label, t in tuners.items():
-                with Stopwatch() as watch:
-                    busy |= t.step()
-                seconds[label] += watch.seconds
+        seconds = take_turns(tuners)
     finally:
         measurer.close()
+        shutil.rmtree(home, ignore_errors=True)
     cold, warm = tuners["cold"].result, tuners["transfer"].result
     final = cold.estimated_latency
     reached = trials_to_reach(warm.curve, final)
     row = {"network": args.network, "image_size": args.image_size, "target": str(tasks[0].target),
-           "tasks": len(tasks), "trials": args.trials, "history": args.history, "history_programs": programs,
+           "tasks": len(tasks), "trials": args.trials, "per_round": tuners["cold"].per_round,
+           "history": args.history, "history_programs": programs,
            "history_tasks": keys, "history_train_s": train_watch.seconds,
            "history_model_pairwise_accuracy": model.metrics.pairwise_accuracy,
            "cold_final_ms": final * 1e3, "transfer_final_ms": warm.estimated_latency * 1e3,
