@@ -65,9 +65,10 @@ def main(argv: list[str]) -> int:
     net, tasks = network_tasks(args.network, llvm_target(args.threads), image_size=args.image_size)
     with Stopwatch() as train_watch:
         model, programs, keys, unknown = history_model(args.history, tasks, args.seed)
+    accuracy = model.metrics.pairwise_accuracy      # of the history alone (later trainings replace it)
     env = environment(args.threads)
     print(f"transfer model: {programs} programs of {keys} tasks from {len(args.history)} store(s) "
-          f"({train_watch.seconds:.0f} s); held-out pairwise accuracy {model.metrics.pairwise_accuracy:.3f}"
+          f"({train_watch.seconds:.0f} s); held-out pairwise accuracy {accuracy:.3f}"
           + (f"; {len(unknown)} task(s) without a stored description skipped" if unknown else ""), flush=True)
     home = tempfile.mkdtemp(prefix="tensortune-bench-transfer-")
     measurer = network_measurer(net)
@@ -92,7 +93,7 @@ def main(argv: list[str]) -> int:
            "tasks": len(tasks), "trials": args.trials, "per_round": tuners["cold"].per_round,
            "history": args.history, "history_programs": programs,
            "history_tasks": keys, "history_train_s": train_watch.seconds,
-           "history_model_pairwise_accuracy": model.metrics.pairwise_accuracy,
+           "history_model_pairwise_accuracy": accuracy,
            "cold_final_ms": final * 1e3, "transfer_final_ms": warm.estimated_latency * 1e3,
            "transfer_trials_to_cold_final": reached,
            "trials_fraction": reached / cold.trials if reached is not None else None,
