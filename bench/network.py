@@ -227,8 +227,8 @@ def tune(name: str, tasks: list, trials: int, strategies: list[str], seed: int, 
         shutil.copytree(os.path.join(home, "warm-up"), os.path.join(home, s))
         tuners[s] = tuner(s, trials - warm_trials, s)
         tuners[s].per_round = warm.per_round       # the round size of the whole budget, as in one run
-    seconds = take_turns(tuners)
-    seconds = {s: warm_watch.seconds + seconds[s] for s in strategies}
+    turns = take_turns(tuners)
+    seconds = {s: warm_watch.seconds + turns[s] for s in strategies}
     out = {}
     for s, t in tuners.items():
         res = t.result

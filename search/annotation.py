@@ -62,7 +62,7 @@ def fill_tile_sizes(sketch: Sketch, rng: random.Random, max_innermost: int) -> l
         steps[i] = draw(i)
     low, high = sketch.vector_registers // 4, sketch.vector_registers * 3 // 4
     for group in sketch.register_tiles:
-        if not any(i in sketch.vector_lanes for i in group) or rng.random() >= REGISTER_TILE_BIAS:
+        if rng.random() >= REGISTER_TILE_BIAS:
             continue
         for _ in range(REGISTER_TILE_TRIES):
             if low <= accumulator_vectors(sketch, steps, group) <= high:

@@ -80,6 +80,12 @@ class TrainingMetrics:
         return dict(self.__dict__)
 
 
+def scaled_to_best(rows: Sequence[tuple[np.ndarray, float]]) -> list[tuple[np.ndarray, float]]:
+    """One task's (features, throughput) rows with throughputs divided by the task's best (0 if none ran)."""
+    best = max((t for _, t in rows), default=0.0)
+    return [(f, t / best if best > 0 else 0.0) for f, t in rows]
+
+
 def pack_sum(preds: np.ndarray, pack_ids: np.ndarray, n: int) -> np.ndarray:
     return np.bincount(pack_ids, weights=preds, minlength=n)
 
@@ -172,11 +178,7 @@ class XGBModel(CostModel):
 
     def _normalised(self) -> dict[str, list[tuple[np.ndarray, float]]]:
         """Each task's throughputs divided by its best, so tasks of any size train one model."""
-        out = {}
-        for key, rows in self.data.items():
-            best = max((t for _, t in rows), default=0.0)
-            out[key] = [(f, t / best if best > 0 else 0.0) for f, t in rows]
-        return out
+        return {key: scaled_to_best(rows) for key, rows in self.data.items()}
 
     def _train(self, programs: list[tuple[np.ndarray, float]], groups: np.ndarray):
         """A booster on `programs` (features, normalised throughput); `groups[i]` is program i's task."""
@@ -290,9 +292,7 @@ class XGBModel(CostModel):
             for fold in range(folds):
                 held = set(idx[fold::folds])
                 train = [rows[i] for i in idx if i not in held]
-                best = max((t for _, t in train), default=0.0)
-                booster = self._train([(f, t / best if best > 0 else 0.0) for f, t in train],
-                                      np.zeros(len(train), np.int64))
+                booster = self._train(scaled_to_best(train), np.zeros(len(train), np.int64))
                 self._rank(booster, {"held": [rows[i] for i in sorted(held)]}, acc, rec)
         return _mean_of_finite(acc), _mean_of_finite(rec)
 

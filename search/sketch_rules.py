@@ -387,8 +387,8 @@ def split_roles(state: State, tunable: tuple[int, ...],
                 vector_unit_bytes: int) -> tuple[dict[int, int], tuple[tuple[int, ...], ...]]:
     """What each tunable split of `state` tiles, from one replay of its steps: the splits on a stage's
     last spatial axis -> the vector lanes of that stage's dtype (Sketch.vector_lanes), and per stage
-    with a tunable reduce split and a reduction of at least REGISTER_TILE_MIN_REDUCTION terms, its
-    tunable spatial splits (Sketch.register_tiles)."""
+    with a tunable reduce split, a reduction of at least REGISTER_TILE_MIN_REDUCTION terms and a split of
+    its vectorised axis, its tunable spatial splits (Sketch.register_tiles)."""
     lanes = {}
     spatial: dict[int, list[int]] = {}
     reduces: set[int] = set()
@@ -405,7 +405,9 @@ def split_roles(state: State, tunable: tuple[int, ...],
             elif math.prod(a.extent for a in stage.op.reduce_axes) >= REGISTER_TILE_MIN_REDUCTION:
                 reduces.add(step.stage_id)
         before = step.apply(before)
-    return lanes, tuple(tuple(splits) for sid, splits in spatial.items() if sid in reduces)
+    # a block is counted in vectors along the vectorised axis: a stage without that split has none
+    return lanes, tuple(tuple(splits) for sid, splits in spatial.items()
+                        if sid in reduces and any(i in lanes for i in splits))
 
 
 def generate_sketches(ctx: SketchContext, rules: list[SketchRule] | None = None) -> list[Sketch]:
