@@ -62,7 +62,12 @@ def main(argv: list[str]) -> int:
     from tensortune.flows.tuning import NetworkTuner, network_measurer, network_tasks
     from tensortune.search.sketch_policy import SearchParams
     from tensortune.storage.records import RecordStore
-    net, tasks = network_tasks(args.network, llvm_target(args.threads), image_size=args.image_size)
+    from tensortune.tasks.graph_ops import GraphError
+    try:
+        net, tasks = network_tasks(args.network, llvm_target(args.threads), image_size=args.image_size)
+    except GraphError as err:              # an unknown network, or one that takes no image size
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     with Stopwatch() as train_watch:
         model, programs, keys, unknown = history_model(args.history, tasks, args.seed)
     accuracy = model.metrics.pairwise_accuracy      # of the history alone (later trainings replace it)

@@ -84,7 +84,7 @@ def test_records_of_a_task_never_stored_are_skipped_and_named(tuned, tmp_path):
 def test_the_transfer_benchmark_trains_on_every_task_of_the_history(tuned, tmp_path, capsys):
     """bench transfer's model (bench.transfer.history_model) has read both stored tasks' records for a
     task that has none, as the flow's retrain step does; a history without records for the target, or
-    without the folder, is one line and exit 2 before any tuning."""
+    without the folder, or an unknown network, is one line and exit 2 before any tuning."""
     from bench.transfer import history_model, main
     root, _, other, mine = tuned
     newcomer = make_task(make_dag("matmul", 128, 128, 128))
@@ -98,3 +98,5 @@ def test_the_transfer_benchmark_trains_on_every_task_of_the_history(tuned, tmp_p
     assert "no records for" in str(exit_.value.code)
     assert main(["resnet-18", "--history", str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err.strip() == f"error: --history {tmp_path / 'nowhere'}: no such folder"
+    assert main(["resnet-7", "--history", root]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: unknown network 'resnet-7'; known: ")
