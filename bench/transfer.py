@@ -23,17 +23,17 @@ from bench.common import Stopwatch, environment, llvm_target, print_table, write
 from bench.network import take_turns, trials_to_reach
 
 
-def history_model(history: list[str], tasks: list, seed: int):
-    """An XGBModel trained on every record of the tasks' target in the `history` stores."""
-    from tensortune.flows.retrain import Trainer
+def history_model(history: list[str], tasks: list, seed: int, exclude: tuple[str, ...] = ()):
+    """flows.retrain.history_model over the `history` store folders; no records, or too few to train
+    on, is one line and an exit."""
+    from tensortune.flows.retrain import history_model as trained_on
     from tensortune.storage.records import RecordStore
-    trainer = Trainer(tasks, str(tasks[0].target), seed=seed, transfer=True)
-    programs = sum(trainer.read_new(RecordStore(path)) for path in history)
-    if programs == 0:
+    found = trained_on([RecordStore(path) for path in history], tasks, seed, exclude)
+    if found.programs == 0:
         raise SystemExit(f"error: no records for {tasks[0].target} in {', '.join(history)}")
-    if trainer.xgb.fit() is None:
-        raise SystemExit(f"error: {programs} programs in the history are too few to train a model")
-    return trainer.xgb, programs, len(trainer.xgb.data), sorted(trainer.unknown)
+    if found.model.booster is None:
+        raise SystemExit(f"error: {found.programs} programs in the history are too few to train a model")
+    return found.model, found.programs, found.tasks, found.unknown
 
 
 def main(argv: list[str]) -> int:

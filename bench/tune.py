@@ -14,9 +14,10 @@ runs the GPU benchmark (bench/tune_cuda.py).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
+import os
 import statistics
+import sys
 from pathlib import Path
 
 from bench.common import (
@@ -36,7 +37,8 @@ from bench.common import (
     torch_threads,
     write_json,
 )
-from tensortune.search.cost_model import RandomModel, XGBModel
+from bench.transfer import history_model
+from tensortune.search.cost_model import MIN_FIT_PROGRAMS, WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
 from tensortune.search.sketch_policy import SearchParams
 
 WORKLOADS = {
@@ -69,12 +71,12 @@ def library_fn(key: str, dag, threads: int) -> tuple[str, object]:
 class SameGenerationsRandomModel(RandomModel):
     """The ablation's random model: ranks programs at random, and counts as "random" (for which
     SketchPolicy.evolve cuts evolution to 2 generations, since evolving under random scores is wasted)
-    only while XGBModel would: until it has been updated with `num_warmup_sample` programs. So every
-    ablation row runs the same evolution generations in the same rounds (2 in the first rounds, then
-    SearchParams.num_iters), and the rows differ in the model's ranking alone."""
+    only while XGBModel would: until it has been updated with `num_warmup_sample` programs, and at least
+    the MIN_FIT_PROGRAMS its first fit needs. So every ablation row runs the same evolution generations
+    in the same rounds (2 in the first round, then SearchParams.num_iters), and the rows differ in the
+    model's ranking alone."""
 
-    def __init__(self, seed: int = 0,
-                 num_warmup_sample: int = inspect.signature(XGBModel).parameters["num_warmup_sample"].default):
+    def __init__(self, seed: int = 0, num_warmup_sample: int = WARMUP_PROGRAMS):
         super().__init__(seed)
         self.num_warmup_sample, self.n_programs = num_warmup_sample, 0
 
@@ -83,21 +85,31 @@ class SameGenerationsRandomModel(RandomModel):
 
     @property
     def is_random(self) -> bool:
-        return self.n_programs < self.num_warmup_sample
+        return self.n_programs < max(MIN_FIT_PROGRAMS, self.num_warmup_sample)
 
 
-def run_one(key: str, trials: int, model: str, crossover: float, measurer, seed: int, per_round: int,
-            overrides: dict | None = None, threads: int = 2):
+def workload_task(key: str, threads: int):
     from tensortune.codegen.target import make_task
-    from tensortune.flows.tuning import make_model, tune_task
     from tensortune.tasks.workload_registry import make_dag
     name, args, _ = WORKLOADS[key]
-    task = make_task(make_dag(name, *args), llvm_target(threads))
+    return make_task(make_dag(name, *args), llvm_target(threads))
+
+
+def run_one(key: str, trials: int, model, crossover: float, measurer, seed: int, per_round: int,
+            overrides: dict | None = None, threads: int = 2, warmup: int = WARMUP_PROGRAMS):
+    """model: "xgb", "xgb-rank", "random" or a model instance (the transfer row's, trained on history);
+    warmup: the programs a fresh model waits for before its scores are used (XGBModel.num_warmup_sample)."""
+    from tensortune.flows.tuning import make_model, tune_task
+    task = workload_task(key, threads)
     params = SearchParams(**{"crossover_prob": crossover, "num_measures_per_round": per_round, **(overrides or {})})
-    cost_model = SameGenerationsRandomModel(seed) if model == "random" else make_model(model, seed)
+    if model == "random":
+        cost_model: CostModel = SameGenerationsRandomModel(seed, warmup)
+    else:
+        cost_model = make_model(model, seed, warmup)
+    label = model if isinstance(model, str) else "transfer"
     watch = Stopwatch()
     res = tune_task(task, trials, measurer=measurer, model=cost_model, params=params, seed=seed,
-                    progress=lambda log, r: print(f"  {key} [{model}, crossover {crossover}] round {log.round}: "
+                    progress=lambda log, r: print(f"  {key} [{label}, crossover {crossover}] round {log.round}: "
                                                   f"{log.trials} trials, best {log.best_gflops:.1f} GFLOP/s, "
                                                   f"search {log.search_s + log.train_s:.1f}s "
                                                   f"measure {log.measure_s:.1f}s",
@@ -246,12 +258,21 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
     if args.ablate:
         # same generations; the ranking objective against the default pack-sum regression (issue 19)
         runs += [("random", 0.05, "random model"), ("xgb", 0.0, "no crossover"), ("xgb-rank", 0.05, "rank model")]
+    if args.history:
+        runs += [("transfer", 0.05, "transfer")]
     for key in args.workloads.split(","):
         for model, cross, label in runs:
+            if model == "transfer":
+                # trained on the stores' records of every other task of this target before the first round
+                own = workload_task(key, args.threads)
+                model, programs, tasks, _ = history_model(args.history, [own], args.seed,
+                                                          exclude=(own.workload_key,))
+                print(f"  {key} [transfer]: model trained on {programs} programs of {tasks} other tasks", flush=True)
             measurer = ProgramMeasurer(LocalBuilder(), LocalRunner())
             try:
                 task, res, wall, overhead, cost_model = run_one(key, args.trials, model, cross, measurer,
-                                                                args.seed, args.per_round, overrides, args.threads)
+                                                                args.seed, args.per_round, overrides, args.threads,
+                                                                args.warmup)
             finally:
                 measurer.close()        # its runner's thread pool must not meet the re-timing's
             ranking = history_ranking(cost_model, task, args.seed)
@@ -285,16 +306,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads of every side (ours, BLAS, PyTorch)")
     ap.add_argument("--pairs", type=int, default=PAIRS, help="timing pairs (alternating order)")
     ap.add_argument("--per-round", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=WARMUP_PROGRAMS,
+                    help="programs a fresh cost model waits for before its scores are used (TVM: 100)")
     ap.add_argument("--plot", default="bench/out/tune_curve.png", help="best-so-far curve (PNG); \"\" for none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--retime", metavar="JSON", help="re-time the fastest programs of a previous run's JSON "
                                                      "(no search)")
+    ap.add_argument("--history", action="append", default=[], metavar="STORE",
+                    help="add a transfer row: the model first trained on this record store's programs of other "
+                         "tasks on this target (repeat for more stores)")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                     help="override a SearchParams field, e.g. --param max_vectorize_size=64")
     args, rest = ap.parse_known_args(argv)
     if args.target.startswith("cuda"):
         from bench import tune_cuda
         return tune_cuda.main(argv)
+    missing = [p for p in args.history if not os.path.isdir(p)]
+    if missing:
+        print(f"error: --history {missing[0]}: no such folder", file=sys.stderr)
+        return 2
     ensure_clean_blas_env()
     with limit_threads(args.threads):
         env = environment(args.threads)

@@ -19,7 +19,7 @@ from tensortune.schedule.program import Program
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
-from tensortune.search.cost_model import CostModel, RandomModel, XGBModel
+from tensortune.search.cost_model import MIN_FIT_PROGRAMS, WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
 from tensortune.search.feature_pool import Featurizer
 from tensortune.storage.models import ModelStore
 from tensortune.storage.records import RecordStore
@@ -74,11 +74,11 @@ class Trainer:
     records (storage.tasks); one whose task was never stored (a store written before the task files) is
     skipped and counted in `unknown`."""
 
-    def __init__(self, tasks: Sequence[SearchTask], target: str, warmup: int = 100, seed: int = 0,
-                 features: Featurizer | None = None, transfer: bool = False):
+    def __init__(self, tasks: Sequence[SearchTask], target: str, warmup: int = WARMUP_PROGRAMS, seed: int = 0,
+                 features: Featurizer | None = None, transfer: bool = False, objective: str = "regression"):
         self.tasks = {t.workload_key: t for t in tasks}
         self.target, self.warmup, self.transfer = target, warmup, transfer
-        self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed, features=features)
+        self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed, features=features, objective=objective)
         self.seen: set[tuple[str, str]] = set()
         self.unknown: set[str] = set()             # workload keys with records but no stored task
 
@@ -124,6 +124,31 @@ class Trainer:
         return added
 
 
+@dataclass
+class HistoryModel:
+    """A cost model trained on stored records before a search starts (transfer)."""
+    model: XGBModel
+    programs: int                    # it learned from (0: none, and the model is still random)
+    tasks: int                       # ... of this many tasks
+    unknown: list[str]               # workload keys with records but no stored task (skipped)
+
+
+def history_model(stores: Sequence[RecordStore], tasks: Sequence[SearchTask], seed: int = 0,
+                  exclude: Sequence[str] = (), objective: str = "regression") -> HistoryModel:
+    """An XGBModel trained on every record of the tasks' target in `stores` (every network, every night),
+    leaving out the workload keys in `exclude`: a search that resumes its own task's history feeds those
+    records to the model itself (flows.tuning.resume_policy), and a benchmark that asks what other tasks'
+    history is worth must not learn from the task. Too few programs leave it untrained (random)."""
+    trainer = Trainer(tasks, str(tasks[0].target), seed=seed, transfer=True, objective=objective)
+    for store in stores:
+        trainer.read_new(store)
+    for key in exclude:
+        trainer.xgb.data.pop(key, None)
+    if trainer.xgb.n_programs:
+        trainer.xgb.fit()
+    return HistoryModel(trainer.xgb, trainer.xgb.n_programs, len(trainer.xgb.data), sorted(trainer.unknown))
+
+
 def load_newest(models: ModelStore, target: str, holder: NewestModel) -> str:
     """Put the newest stored model for `target` into `holder` (if any); returns its version."""
     found = models.load_newest(target)
@@ -140,9 +165,9 @@ def retrain(trainer: Trainer, records: RecordStore, models: ModelStore, holder: 
     t0 = time.perf_counter()
     new = trainer.read_new(records)
     n = trainer.xgb.n_programs
-    if n < max(8, trainer.warmup):
+    if n < max(MIN_FIT_PROGRAMS, trainer.warmup):
         return RetrainReport(False, holder.version, n, new, f"{n} programs in the history; training starts at "
-                             f"{max(8, trainer.warmup)}", seconds=time.perf_counter() - t0)
+                             f"{max(MIN_FIT_PROGRAMS, trainer.warmup)}", seconds=time.perf_counter() - t0)
     if new == 0 and holder.version:
         return RetrainReport(False, holder.version, n, 0, "no new records since the last training",
                              seconds=time.perf_counter() - t0)

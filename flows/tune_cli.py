@@ -5,6 +5,7 @@ import os
 import time
 import uuid
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -20,6 +21,11 @@ from tensortune.flows.cli_input import (
     records_to_read,
     records_to_write,
 )
+
+if TYPE_CHECKING:                     # the CLI imports the heavy modules only in the command that runs
+    from tensortune.search.cost_model import CostModel
+    from tensortune.storage.records import RecordStore
+    from tensortune.tasks.search_task import SearchTask
 
 console = Console()
 
@@ -87,6 +93,23 @@ def _task(op: str, args: str, target: str):
         fail(str(err).strip('"'), USAGE)
 
 
+def transfer_model(store: RecordStore | None, task: SearchTask, model: str, seed: int) -> CostModel | str:
+    """The flow's transfer for one operator: a learned model first trained on the store's records of
+    every other task of the target (other networks, other nights), so the first round is ranked, not
+    drawn at random; the task's own records reach it through the resumed history. Without a store, or
+    other records, or for the random model: the model by name."""
+    from tensortune.flows.retrain import history_model
+    if store is None or model == "random":
+        return model
+    with console.status("training the cost model on the store's other tasks"):
+        found = history_model([store], [task], seed, exclude=[task.workload_key],
+                              objective="rank" if model == "xgb-rank" else "regression")
+    if found.model.booster is None:
+        return model
+    console.print(f"cost model: trained on {found.programs} programs of {found.tasks} other task(s) in the store")
+    return found.model
+
+
 @app.command("tune-op")
 def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul, conv2d_relu"),
             args: str = typer.Option("", "--args", help="workload arguments, e.g. 1024,1024,1024"),
@@ -115,6 +138,7 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
                TextColumn("best {task.fields[best]:.1f} GFLOP/s"), TextColumn("{task.fields[model]}"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     start = time.time()
+    cost_model = transfer_model(store, task, model, seed)
     try:
         with Progress(*columns, console=console) as bar:
             pid = bar.add_task("tune", total=trials, round=0, best=0.0, model="model: warming up")
@@ -124,7 +148,7 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
                          if log.model_accuracy == log.model_accuracy else "model: warming up")
                 bar.update(pid, completed=log.trials, round=log.round, best=log.best_gflops, model=model)
 
-            result = tune_task(task, trials, model=model, params=SearchParams(num_measures_per_round=per_round),
+            result = tune_task(task, trials, model=cost_model, params=SearchParams(num_measures_per_round=per_round),
                                records=store, seed=seed, flow_run_id=run_id, progress=progress)
     except KeyboardInterrupt:
         interrupted(store, run_id)

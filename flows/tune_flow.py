@@ -34,6 +34,7 @@ from tensortune.flows.measure_targets import MeasureTarget, measure_node_targets
 from tensortune.flows.retrain import NewestModel, Trainer, load_newest, retrain
 from tensortune.flows.tuned_network import GAP_WARNING, TunedNetworkTiming, measure_tuned_network_job
 from tensortune.flows.tuning import NetworkTuner, Proposal, network_tasks, network_timing
+from tensortune.search.cost_model import WARMUP_PROGRAMS
 from tensortune.search.sketch_policy import SearchParams
 from tensortune.search.task_scheduler import INF_COST, Objective, network_objective
 from tensortune.storage.models import ModelStore
@@ -278,7 +279,8 @@ def measure_batch(s: Session, i: int, batch: Proposal, label: str) -> dict[str, 
 # ------------------------------------------------------------------ the loop
 
 def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: str, measurer,
-               per_round: int = 64, retrain_every: int = 1, model_warmup: int = 100, strategy: str = "gradient",
+               per_round: int = 64, retrain_every: int = 1, model_warmup: int = WARMUP_PROGRAMS,
+               strategy: str = "gradient",
                seed: int = 0, search: SearchOptions | dict[str, Any] | None = None, flow_run_id: str = "",
                latency_target_ms: float | None = None, early_stopping_task: int | None = None,
                objective: str | None = None, reference_ms: float | None = None,
@@ -420,7 +422,7 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                       records: str = DEFAULT_ROOT, cluster: str | None = None, batch: int | None = None,
                       image_size: int | None = None, seq_len: int | None = None, layers: int | None = None,
                       input_shapes: list[str] | None = None, per_round: int = 64, retrain_every: int = 1,
-                      model_warmup: int = 100, strategy: str = "gradient", seed: int = 0,
+                      model_warmup: int = WARMUP_PROGRAMS, strategy: str = "gradient", seed: int = 0,
                       search: SearchOptions | None = None, timing: TimingOptions | None = None,
                       local_workers: int = 1, latency_target_ms: float | None = None,
                       early_stopping_task: int | None = None, time_network: bool = True,
@@ -469,7 +471,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
 @flow(name="tune-op", flow_run_name=_run_name, persist_result=False)
 def tune_op_flow(workload: str, args: list[Any], trials: int = 64, target: str = "llvm",
                  records: str = DEFAULT_ROOT, cluster: str | None = None, per_round: int = 64,
-                 retrain_every: int = 1, model_warmup: int = 100, seed: int = 0, search: SearchOptions | None = None,
+                 retrain_every: int = 1, model_warmup: int = WARMUP_PROGRAMS, seed: int = 0,
+                 search: SearchOptions | None = None,
                  timing: TimingOptions | None = None, local_workers: int = 1) -> dict[str, Any]:
     """One operator (a registered workload with its arguments) tuned through the same rounds."""
     from tensortune.codegen.target import make_task

@@ -18,7 +18,7 @@ from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
-from tensortune.search.cost_model import CostModel, RandomModel, XGBModel
+from tensortune.search.cost_model import WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tensortune.search.task_scheduler import INF_COST, Objective, TaskScheduler, effective_costs
 from tensortune.storage.records import MeasureRecord, RecordStore
@@ -70,13 +70,14 @@ class TuneResult:
         return sum(r.measure_s for r in self.rounds)
 
 
-def make_model(kind: str | CostModel, seed: int = 0) -> CostModel:
+def make_model(kind: str | CostModel, seed: int = 0, warmup: int = WARMUP_PROGRAMS) -> CostModel:
+    """A cost model by name (a model passes through); warmup: XGBModel.num_warmup_sample."""
     if isinstance(kind, CostModel):
         return kind
     if kind == "xgb":
-        return XGBModel(seed=seed)
+        return XGBModel(seed=seed, num_warmup_sample=warmup)
     if kind == "xgb-rank":
-        return XGBModel(seed=seed, objective="rank")
+        return XGBModel(seed=seed, objective="rank", num_warmup_sample=warmup)
     if kind == "random":
         return RandomModel(seed)
     raise ValueError(f"unknown cost model {kind!r}; use 'xgb', 'xgb-rank' or 'random'")

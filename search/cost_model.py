@@ -128,10 +128,21 @@ def recall_at_k(pred: np.ndarray, true: np.ndarray, k: int) -> float:
     return len(set(np.argsort(-true)[:k]) & set(np.argsort(-pred)[:k])) / k
 
 
+# the fewest programs `fit` trains on
+MIN_FIT_PROGRAMS = 8
+# Programs the model must have seen before its scores are used (at least MIN_FIT_PROGRAMS). TVM waits for 100,
+# so with rounds of 64 a task's first two rounds are drawn at random and a 128-trial search has no
+# model at all. Trusting it from its first fit found faster programs by 128 trials in all six runs on
+# Zen 5 (2026-11-25; matmul 1024^3 / ResNet-18 conv, seeds 0-2, 32 a round: 381 -> 449 and
+# 300 -> 350 GFLOP/s on average; README, "Fewer trials"): a model fitted on a few dozen programs
+# already ranks better than chance, and eps-greedy keeps drawing random programs beside it.
+WARMUP_PROGRAMS = 0
+
+
 class XGBModel(CostModel):
     """The learned model. Data is kept per task; `fit` retrains from everything it has seen."""
 
-    def __init__(self, num_warmup_sample: int = 100, seed: int = 0, holdout: float = 0.2, k: int = 10,
+    def __init__(self, num_warmup_sample: int = WARMUP_PROGRAMS, seed: int = 0, holdout: float = 0.2, k: int = 10,
                  max_rounds: int | None = None, early_stopping: int = 50, features: Featurizer | None = None,
                  objective: str = "regression", partners: int = 16):
         if objective not in OBJECTIVES:
@@ -237,7 +248,7 @@ class XGBModel(CostModel):
         """Retrain from all data, after measuring how well the current booster ranks the programs
         measured since it was trained: data it has never seen, and the ones the search chose by it
         (TVM reports no such figure). Before there is a booster, a model fitted on 80% ranks the rest."""
-        if self.n_programs < 8:
+        if self.n_programs < MIN_FIT_PROGRAMS:
             return None
         data = self._normalised()
         acc: list[float] = []

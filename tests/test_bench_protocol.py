@@ -266,15 +266,24 @@ def test_resnet50_total_leaves_out_rows_that_failed_verification():
 # ---------------------------------------------------------------------------------- the ablation
 
 def test_ablation_random_model_evolves_as_many_generations_as_xgb():
+    """Random exactly while an XGBModel given the same programs is (default warm-up and TVM's 100)."""
     from bench.tune import SameGenerationsRandomModel
+    from tensortune.codegen.target import make_task
     from tensortune.search.cost_model import XGBModel
-    model, xgb = SameGenerationsRandomModel(0), XGBModel()
-    assert model.num_warmup_sample == xgb.num_warmup_sample
-    assert model.is_random                          # warm-up rounds: 2 generations, as XGBModel's
-    model.update(None, [None] * (model.num_warmup_sample - 1), [])
-    assert model.is_random
-    model.update(None, [None], [])
-    assert not model.is_random                      # then SearchParams.num_iters, as a trained XGBModel
+    from tensortune.search.sketch_policy import SketchPolicy
+    from tensortune.tasks.workload_registry import make_dag
+    task = make_task(make_dag("matmul", 32, 32, 32))
+    cands = SketchPolicy(task, seed=0).sample(110)
+    costs = [1e-6 * (1 + i % 7) for i in range(len(cands))]
+    for warmup in (XGBModel().num_warmup_sample, 100):
+        model, xgb = SameGenerationsRandomModel(0, warmup), XGBModel(num_warmup_sample=warmup, max_rounds=5)
+        assert model.is_random and xgb.is_random    # before any program: 2 generations for both
+        done = 0
+        for n in (4, 3, 1, 91, 1, 10):
+            model.update(task, cands[done:done + n], costs[done:done + n])
+            xgb.update(task, cands[done:done + n], costs[done:done + n])
+            done += n
+            assert model.is_random == xgb.is_random, (warmup, done)
 
 
 def test_comparison_is_a_plain_record():

@@ -100,3 +100,15 @@ def test_the_transfer_benchmark_trains_on_every_task_of_the_history(tuned, tmp_p
     assert capsys.readouterr().err.strip() == f"error: --history {tmp_path / 'nowhere'}: no such folder"
     assert main(["resnet-7", "--history", root]) == 2
     assert capsys.readouterr().err.strip().startswith("error: unknown network 'resnet-7'; known: ")
+
+
+def test_the_tune_benchmarks_transfer_row_leaves_the_tasks_own_records_out(tuned, tmp_path, capsys):
+    """bench tune --history: the transfer row's model learns from the other tasks only (what another
+    task's history is worth), and a missing store is one line and exit 2 before anything is tuned."""
+    from bench.transfer import history_model
+    from bench.tune import main
+    root, _, other, mine = tuned
+    model, programs, keys, _ = history_model([root], [mine], seed=0, exclude=(mine.workload_key,))
+    assert programs == TRIALS and set(model.data) == {other.workload_key}
+    assert main(["--workloads", "matmul", "--history", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --history {tmp_path / 'nowhere'}: no such folder"

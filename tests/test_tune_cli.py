@@ -59,6 +59,26 @@ def test_each_tune_op_run_is_a_run_of_its_own(tmp_path):
     assert history.exit_code == 0 and all(r[:16] in history.output for r in runs.index), history.output
 
 
+def test_a_new_task_is_ranked_from_its_first_round_by_the_stores_other_tasks(tuned, tmp_path):
+    """Transfer in tune-op: a task the store has never seen gets a model trained on the other tasks'
+    records, so its first round already carries the model's scores (NaN while a search is random)."""
+    import shutil
+    records = str(tmp_path / "records")
+    shutil.copytree(tuned[0], records)
+    result = CliRunner().invoke(app, ["tune-op", "matmul", "--args", "40,40,40", "--trials", "4",
+                                      "--per-round", "4", "--records", records])
+    assert result.exit_code == 0, result.output
+    assert "cost model: trained on 8 programs of 1 other task(s) in the store" in result.output
+    key = make_task(make_dag("matmul", 40, 40, 40)).workload_key
+    first = RecordStore(records).read().query("workload_key == @key")
+    assert len(first) == 4 and set(first["round"]) == {0} and first["predicted_score"].notna().all()
+    alone = str(tmp_path / "alone")
+    result = CliRunner().invoke(app, ["tune-op", "matmul", "--args", "40,40,40", "--trials", "4",
+                                      "--per-round", "4", "--records", alone])
+    assert result.exit_code == 0 and "cost model: trained" not in result.output
+    assert RecordStore(alone).read()["predicted_score"].isna().all()
+
+
 def test_show_prints_the_stored_best(tuned):
     records, tuned_result = tuned
     best = tuned_result.output.split("steps: ", 1)[1].strip().splitlines()[0]
