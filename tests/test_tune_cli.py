@@ -70,7 +70,8 @@ def test_a_new_task_is_ranked_from_its_first_round_by_the_stores_other_tasks(tun
     assert result.exit_code == 0, result.output
     assert "cost model: trained on 8 programs of 1 other task(s) in the store" in result.output
     key = make_task(make_dag("matmul", 40, 40, 40)).workload_key
-    first = RecordStore(records).read().query("workload_key == @key")
+    frame = RecordStore(records).read()
+    first = frame[frame["workload_key"] == key]
     assert len(first) == 4 and set(first["round"]) == {0} and first["predicted_score"].notna().all()
     alone = str(tmp_path / "alone")
     result = CliRunner().invoke(app, ["tune-op", "matmul", "--args", "40,40,40", "--trials", "4",
