@@ -11,7 +11,7 @@ import socket
 import time
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -150,6 +150,16 @@ class Measurer(Protocol):
     def measure(self, task: SearchTask, steps_list: Sequence[str]) -> list[MeasureResult]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Prebuilder(Protocol):
+    """A measurer that can build a batch while it times another (DaskMeasurer, where some builders
+    share no node with a timing): the flow then searches and builds round k+1 during round k's timings."""
+
+    def prebuild_workers(self, task: SearchTask) -> list[str]: ...
+
+    def prebuild(self, task: SearchTask, steps_list: Sequence[str]) -> bool: ...
 
 
 class ProgramMeasurer:

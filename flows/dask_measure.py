@@ -106,6 +106,18 @@ class DaskStats:
     restarts: int = 0           # times the round started over because the scheduler went away
 
 
+def local_hosts() -> frozenset[str]:
+    """The addresses a Dask worker on this machine can report as its host: a measure worker among them
+    shares its cores with the flow's search."""
+    import socket
+    name = socket.gethostname()
+    try:
+        addresses = socket.gethostbyname_ex(name)[2]
+    except OSError:
+        addresses = []
+    return frozenset({"127.0.0.1", "localhost", "::1", name, *addresses})
+
+
 class DaskMeasurer:
     """Measures candidates on a Dask cluster; same interface as codegen.measure.ProgramMeasurer.
 
@@ -125,8 +137,14 @@ class DaskMeasurer:
 
     def __init__(self, client: Client, *, timing: TimingConfig = TimingConfig(), build_timeout: float = 15.0,
                  run_timeout: float = 10.0, retries: int = 2, round_timeout: float | None = None,
-                 resource_wait: float = 30.0, keep_source: bool = False, workers: Sequence[str] = ()):
+                 resource_wait: float = 30.0, keep_source: bool = False, workers: Sequence[str] = (),
+                 here: frozenset[str] | None = None):
         self.client, self.timing = client, timing
+        # hosts of this process (where the flow searches): None = local_hosts()
+        self.here = local_hosts() if here is None else here
+        # builds started ahead (prebuild), by (workload key, steps), taken by the measure() of their batch
+        self._prebuilt: dict[tuple[str, str], tuple[Future, list[str]]] = {}
+        self._prebuilt_lock = threading.Lock()
         self.build_timeout, self.run_timeout, self.retries = build_timeout, run_timeout, retries
         self.round_timeout, self.resource_wait, self.keep_source = round_timeout, resource_wait, keep_source
         self.workers = tuple(workers)              # timings only on these (the target's measure nodes); () = any
@@ -148,9 +166,10 @@ class DaskMeasurer:
 
         def run(todo: list[int], out: dict[int, MeasureResult], tag: str) -> None:
             t0 = time.perf_counter()
-            builds = {i: self._submit(build_candidate, tj, steps_list[i], self.build_timeout, self.keep_source,
-                                      pure=False, retries=self.retries, key=f"build-{task.name}-{tag}-{i}",
-                                      resources={builder: 1} if builder else None)
+            builds = {i: self._take_prebuilt(task, steps_list[i]) or
+                      self._submit(build_candidate, tj, steps_list[i], self.build_timeout, self.keep_source,
+                                   pure=False, retries=self.retries, key=f"build-{task.name}-{tag}-{i}",
+                                   resources={builder: 1} if builder else None)
                       for i in todo}
             self._wait(list(builds.values()), deadline)     # no build may share a node with a timing
             self._check_scheduler(builds.values())
@@ -164,6 +183,55 @@ class DaskMeasurer:
                          for r in results)
         self.stats = stats
         return results
+
+    def prebuild_workers(self, task: SearchTask) -> list[str]:
+        """Workers that may build the task's next batch while this one is being timed: builders (with
+        nvcc, for CUDA) on nodes where no worker times this task's programs. Empty, so no overlap,
+        when a timing worker shares this process's node, where the next round is searched meanwhile
+        (the embedded LocalCluster: one machine does everything), or when every builder shares a node
+        with a timing worker."""
+        if self.client.status != "running":
+            return []                                # measure() says what happened to the cluster
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        timers = set(self.workers) or set(workers_with(self.client, measure_resource(task.target_kind)))
+        busy = {info[a]["host"] for a in timers if a in info}
+        if not busy or busy & self.here:
+            return []
+        need = build_resource(task.target_kind)
+        return sorted(a for a, w in info.items()
+                      if w["host"] not in busy and (need is None or w.get("resources", {}).get(need, 0) > 0))
+
+    def prebuild(self, task: SearchTask, steps_list: Sequence[str]) -> bool:
+        """Start building a batch now, on `prebuild_workers` only, so its builds run while the batch
+        before it is timed; its measure() then waits for these builds instead of submitting its own
+        (a build that is lost or fails there is retried as any other). False, and nothing started,
+        where no worker qualifies: measure() builds after the timings, as always."""
+        workers = self.prebuild_workers(task)
+        if not workers:
+            return False
+        tj, tag = task.to_json(), uuid.uuid4().hex[:10]
+        builder = build_resource(task.target_kind)
+        with self._prebuilt_lock:
+            for n, steps in enumerate(steps_list):
+                self._prebuilt.setdefault((task.workload_key, steps), (self.client.submit(
+                    build_candidate, tj, steps, self.build_timeout, self.keep_source, pure=False,
+                    retries=self.retries, key=f"prebuild-{task.name}-{tag}-{n}", workers=workers,
+                    # strict: a loose restriction lets Dask's work stealing move builds onto a timing node
+                    allow_other_workers=False, resources={builder: 1} if builder else None), workers))
+        return True
+
+    def _take_prebuilt(self, task: SearchTask, steps: str) -> Future | None:
+        """The build started ahead for this program, unless it can no longer finish: still pending
+        while none of the workers it is bound to is left (it is cancelled, and built anew)."""
+        with self._prebuilt_lock:
+            found = self._prebuilt.pop((task.workload_key, steps), None)
+        if found is None:
+            return None
+        future, workers = found
+        if future.status == "pending" and not set(workers) & set(self.client.scheduler_info(n_workers=-1)["workers"]):
+            future.cancel()
+            return None
+        return future
 
     def run_builds(self, task: SearchTask, builds: Sequence[BuildResult]) -> list[MeasureResult]:
         """Time already-built programs (e.g. hand-made artifacts) on the measure workers."""
@@ -331,7 +399,12 @@ class DaskMeasurer:
         stats.resubmitted += sum(attempts.values())
 
     def close(self) -> None:
-        """The client belongs to the caller; workers keep their pools for the next batch."""
+        """The client belongs to the caller; workers keep their pools for the next batch. Builds started
+        ahead for a batch that was never measured are cancelled."""
+        with self._prebuilt_lock:
+            left, self._prebuilt = list(self._prebuilt.values()), {}
+        for future, _ in left:
+            future.cancel()
 
     def __enter__(self) -> "DaskMeasurer":
         return self

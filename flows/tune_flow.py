@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any, Sequence
@@ -23,7 +24,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
-from tensortune.codegen.measure import Measurer
+from tensortune.codegen.measure import Measurer, Prebuilder
 from tensortune.codegen.target import parse_target
 from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
 from tensortune.flows import artifacts
@@ -237,9 +238,10 @@ def retrain_cost_model(s: Session, why: str) -> dict[str, Any]:
 
 
 @task(name="search-round", task_run_name="search-{label}", **_STEP)
-def search_round(s: Session, i: int, label: str) -> Proposal:
-    """Task i's policy proposes a round's programs, none measured before (and the model's scores)."""
-    batch = s.tuner.propose(i)
+def search_round(s: Session, i: int, label: str, in_flight: int = 0) -> Proposal:
+    """Task i's policy proposes a round's programs, none measured before (and the model's scores).
+    in_flight: trials of a round still being measured (this search runs during its timings)."""
+    batch = s.tuner.propose(i, in_flight)
     s.seconds["search"] += batch.search_s
     get_run_logger().info(f"{s.tasks[i].name} (task {i}): {len(batch.candidates)} programs proposed in "
                           f"{batch.search_s:.1f} s with cost model {s.model.version or 'random'}")
@@ -247,12 +249,15 @@ def search_round(s: Session, i: int, label: str) -> Proposal:
 
 
 @task(name="measure-batch", task_run_name="measure-{label}", **_STEP)
-def measure_batch(s: Session, i: int, batch: Proposal, label: str) -> dict[str, Any]:
-    """Build and time the batch on the cluster, append the records, then let policy and scheduler learn."""
+def measure_batch(s: Session, i: int, batch: Proposal, label: str,
+                  running: Future | None = None) -> dict[str, Any]:
+    """Build and time the batch on the cluster (or wait for `running`, its measurement started in the
+    background while the next round was searched), append the records, then let policy and scheduler
+    learn."""
     task_ = s.tasks[i]
     round_ = s.rounds
     t0 = time.perf_counter()
-    results = s.tuner.measure(batch)
+    results = running.result() if running is not None else s.tuner.measure(batch)
     t1 = time.perf_counter()
     s.tuner.learn(i, batch, results)
     s.seconds["measure"] += t1 - t0
@@ -277,6 +282,10 @@ def measure_batch(s: Session, i: int, batch: Proposal, label: str) -> dict[str, 
 
 
 # ------------------------------------------------------------------ the loop
+
+# a searched round: (task, its proposal, its label)
+Searched = tuple[int, Proposal, str]
+
 
 def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: str, measurer,
                per_round: int = 64, retrain_every: int = 1, model_warmup: int = WARMUP_PROGRAMS,
@@ -317,33 +326,57 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
     progress = artifacts.create_progress(network, target, trials)
     shown = artifacts.network_label(network)
 
-    def one(i: int) -> None:
-        label = f"r{s.rounds}-t{i}-{tasks[i].name}"
-        batch = search_round(s, i, label)
+    def search_next(i: int, in_flight: int = 0) -> Searched:
+        label = f"r{s.rounds + (1 if in_flight else 0)}-t{i}-{tasks[i].name}"
+        return i, search_round(s, i, label, in_flight), label
+
+    def one(searched: Searched) -> Searched | None:
+        """Measure a searched round and learn from it; returns the next round when it was searched (and
+        its builds started) during this one's timings, which only a Prebuilder measurer with builders
+        off the timing nodes allows (the embedded LocalCluster never does: one machine does it all)."""
+        i, batch, label = searched
         if not batch.candidates:
             s.tuner.learn(i, batch, [])               # the scheduler marks the task exhausted
             log.info(f"{tasks[i].name} (task {i}): search space exhausted")
-            return
-        measure_batch(s, i, batch, label)
+            return None
+        ahead: Searched | None = None
+        measurer_ = s.tuner.measurer
+        if isinstance(measurer_, Prebuilder) and measurer_.prebuild_workers(tasks[i]):
+            with ThreadPoolExecutor(1, thread_name_prefix="measure") as pool:
+                running = pool.submit(s.tuner.measure, batch)
+                try:
+                    j = s.sched.choose_ahead(i)
+                    if j is not None and s.done + len(batch.candidates) < trials:
+                        ahead = search_next(j, in_flight=len(batch.candidates))
+                        if ahead[1].candidates:
+                            measurer_.prebuild(tasks[j], [c.steps_json for c in ahead[1].candidates])
+                finally:
+                    measure_batch(s, i, batch, label, running)     # this round's records, whatever happened
+        else:
+            measure_batch(s, i, batch, label)
         if s.rounds % retrain_every == 0:
             retrain_cost_model(s, f"r{s.rounds}")
         est = s.estimate()
         artifacts.update_progress(progress, s.done, trials,
                                   f"{shown} on {target}: {s.done}/{trials} trials, {s.rounds} rounds, estimated "
                                   + (f"{est * 1e3:.4f} ms" if math.isfinite(est) else "latency n/a yet"))
+        return ahead
 
     stopped = ""
+    ahead: Searched | None = None
     try:
         while s.done < trials:
             warmed_up = not s.sched.warmup_order()
             if warmed_up and latency_target_ms is not None and s.estimate() * 1e3 <= latency_target_ms:
                 stopped = f"the estimate {_ms(s.estimate())} meets the target of {latency_target_ms} ms"
                 break
-            i = s.sched.choose()
-            if i is None:
-                stopped = "every task is exhausted or dead"
-                break
-            one(i)
+            if ahead is None:
+                i = s.sched.choose()
+                if i is None:
+                    stopped = "every task is exhausted or dead"
+                    break
+                ahead = search_next(i)
+            ahead = one(ahead)
     finally:
         # a run that fails mid-way still shows what it measured (every batch is in the store already)
         rows = s.rows()

@@ -323,9 +323,10 @@ class NetworkTuner:
         self.result.best_costs = list(self.sched.best_costs)
         self.result.best_steps = [p.best[1].steps_json if p.best else None for p in self.policies]
 
-    def propose(self, i: int) -> Proposal:
-        """Task i's next batch: up to a round's share of the remaining budget, never measured before."""
-        n = min(self.per_round, self.trials - self.result.trials)
+    def propose(self, i: int, in_flight: int = 0) -> Proposal:
+        """Task i's next batch: up to a round's share of the remaining budget, never measured before.
+        in_flight: trials proposed and not yet learned (a round still being measured) count as spent."""
+        n = min(self.per_round, self.trials - self.result.trials - in_flight)
         t0 = time.perf_counter()
         batch, scores = propose(self.policies[i], n)
         return Proposal(i, batch, scores, time.perf_counter() - t0)

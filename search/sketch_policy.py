@@ -59,6 +59,9 @@ class SketchPolicy:
             raise ValueError(f"no sketch could be generated for {task}")
         self.measured: dict[StepsKey, float] = {}        # program key -> throughput (GFLOP/s), 0 if failed
         self.measured_cands: dict[StepsKey, Candidate] = {}
+        # proposed and not yet measured: a round searched while the last one is still being timed
+        # (the flow's overlapped rounds) must not propose them again
+        self.in_flight: set[StepsKey] = set()
         self.best: tuple[float, Candidate] | None = None     # (GFLOP/s, program) of the fastest measured
         self.best_cost = math.inf                              # ... and its seconds per run, as measured
         self.timing = RoundTiming()
@@ -86,7 +89,7 @@ class SketchPolicy:
             except (InvalidSample, IllegalStep):
                 continue
             c = Candidate.of(st, k)
-            if c.key not in self.measured and c.key not in out:
+            if not self._taken(c.key) and c.key not in out:
                 out[c.key] = c
         return list(out.values())
 
@@ -137,7 +140,7 @@ class SketchPolicy:
                 break
             scores = self.predict(pop)
             for c, s in zip(pop, scores):
-                if c.key in self.measured or c.key in best:
+                if self._taken(c.key) or c.key in best:
                     continue
                 best[c.key] = (float(s), c)
             if len(best) > out_size:
@@ -187,11 +190,11 @@ class SketchPolicy:
         self.timing.n_init = len(init)
         n_random = int(self.params.eps_greedy * n)
         best = self.evolve(init + good, 2 * n)
-        randoms = [c for c in init if c.key not in self.measured]
+        randoms = [c for c in init if not self._taken(c.key)]
         self.rng.shuffle(randoms)
         picked: dict[StepsKey, Candidate] = {}
         for c in self.initial_programs:
-            if c.key not in self.measured and len(picked) < n:
+            if not self._taken(c.key) and len(picked) < n:
                 picked.setdefault(c.key, c)
         self.initial_programs = []
         for c in best:
@@ -204,7 +207,12 @@ class SketchPolicy:
                 break
             if self._runnable(c):
                 picked.setdefault(c.key, c)
+        self.in_flight.update(picked)
         return list(picked.values())
+
+    def _taken(self, key: StepsKey) -> bool:
+        """Measured, or proposed and still being measured: never proposed (again)."""
+        return key in self.measured or key in self.in_flight
 
     def _runnable(self, c: Candidate) -> bool:
         """False for a GPU program over the target's limits (threads, vthreads, shared memory): tile-size
@@ -230,6 +238,7 @@ class SketchPolicy:
             self._note(c, cost)
 
     def _note(self, c: Candidate, cost: float) -> None:
+        self.in_flight.discard(c.key)
         # a task without FLOPs (a transpose, a copy) counts one operation per run, so its programs rank
         # by time like any other's: counted as 0 GFLOP/s, none was ever its best, and the network ran its
         # default schedule whatever the search had measured

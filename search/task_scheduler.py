@@ -191,6 +191,17 @@ class TaskScheduler:
             self._warmed_up = True
         return self.next_task()
 
+    def choose_ahead(self, busy: int) -> int | None:
+        """The task for the round after the one task `busy` is being measured in (overlapped rounds):
+        the strategy's choice from what is known so far, or None when the choice must wait for that
+        round's results: the warm-up has no other task left to give its first round."""
+        pending = [i for i in self.warmup_order() if i not in self.dead and i != busy]
+        if pending:
+            return pending[0]
+        if busy in self.warmup_order():
+            return None
+        return self.choose()
+
     def gradient(self, i: int) -> float:
         costs = list(self.best_costs)
         delta = 1e-4 * max(costs[i], 1e-12)
