@@ -132,10 +132,11 @@ def recall_at_k(pred: np.ndarray, true: np.ndarray, k: int) -> float:
 MIN_FIT_PROGRAMS = 8
 # Programs the model must have seen before its scores are used (at least MIN_FIT_PROGRAMS). TVM waits for 100,
 # so with rounds of 64 a task's first two rounds are drawn at random and a 128-trial search has no
-# model at all. Trusting it from its first fit found faster programs by 128 trials in all six runs on
-# Zen 5 (2026-11-25; matmul 1024^3 / ResNet-18 conv, seeds 0-2, 32 a round: 381 -> 449 and
-# 300 -> 350 GFLOP/s on average; README, "Fewer trials"): a model fitted on a few dozen programs
-# already ranks better than chance, and eps-greedy keeps drawing random programs beside it.
+# model at all. Trusting it from its first fit found faster programs by 128 trials in six of six runs
+# in rounds of 32 against TVM's 100 in rounds of 64 (Zen 5, 2026-11-25; matmul 1024^3 / ResNet-18
+# conv, seeds 0-2: 381 -> 449 and 300 -> 350 GFLOP/s on average), and in two of four in rounds of 64
+# (one slower, one even; README, "Fewer trials"): a model fitted on a few dozen programs already ranks
+# better than chance, and eps-greedy keeps drawing random programs beside it.
 WARMUP_PROGRAMS = 0
 
 
