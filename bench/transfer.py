@@ -3,8 +3,8 @@ other networks' records? (issue 19: ResNet-50 with the history of ResNet-18 and 
 the cold run's final estimate in at most half the trials.)
 
 Two runs of the same network, budget and seed, taking turns one round each on one measurer (so this VM's
-drift hits both alike): *cold*, whose model starts empty and samples its first 100 programs at random,
-as a first night does; *transfer*, whose model starts trained on every record of the target in the
+drift hits both alike): *cold*, whose model starts empty, so rounds are drawn at random until its first
+fit, as on a first night; *transfer*, whose model starts trained on every record of the target in the
 `--history` stores (flows.retrain.Trainer with transfer=True, as the flow's retrain step reads the
 store: other tasks' programs rebuilt from the task files stored beside their records), so the first
 round of every task is already proposed by a model. Both keep learning from their own measurements (the

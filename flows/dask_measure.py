@@ -22,6 +22,7 @@ This module never imports Prefect: Dask workers must not become Prefect clients 
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -109,7 +110,6 @@ class DaskStats:
 def local_hosts() -> frozenset[str]:
     """The addresses a Dask worker on this machine can report as its host: a measure worker among them
     shares its cores with the flow's search."""
-    import socket
     name = socket.gethostname()
     try:
         addresses = socket.gethostbyname_ex(name)[2]
@@ -166,11 +166,13 @@ class DaskMeasurer:
 
         def run(todo: list[int], out: dict[int, MeasureResult], tag: str) -> None:
             t0 = time.perf_counter()
-            builds = {i: self._take_prebuilt(task, steps_list[i]) or
-                      self._submit(build_candidate, tj, steps_list[i], self.build_timeout, self.keep_source,
-                                   pure=False, retries=self.retries, key=f"build-{task.name}-{tag}-{i}",
-                                   resources={builder: 1} if builder else None)
-                      for i in todo}
+            builds = self._take_prebuilt(task, steps_list, todo)
+            for i in todo:
+                if i not in builds:
+                    builds[i] = self._submit(build_candidate, tj, steps_list[i], self.build_timeout,
+                                             self.keep_source, pure=False, retries=self.retries,
+                                             key=f"build-{task.name}-{tag}-{i}",
+                                             resources={builder: 1} if builder else None)
             self._wait(list(builds.values()), deadline)     # no build may share a node with a timing
             self._check_scheduler(builds.values())
             t1 = time.perf_counter()
@@ -220,18 +222,18 @@ class DaskMeasurer:
                     allow_other_workers=False, resources={builder: 1} if builder else None), workers))
         return True
 
-    def _take_prebuilt(self, task: SearchTask, steps: str) -> Future | None:
-        """The build started ahead for this program, unless it can no longer finish: still pending
-        while none of the workers it is bound to is left (it is cancelled, and built anew)."""
+    def _take_prebuilt(self, task: SearchTask, steps_list: Sequence[str], todo: Sequence[int]) -> dict[int, Future]:
+        """The builds started ahead for candidates `todo`, except those that can no longer finish: still
+        pending while none of the workers they are bound to is left (cancelled, to be built anew)."""
         with self._prebuilt_lock:
-            found = self._prebuilt.pop((task.workload_key, steps), None)
-        if found is None:
-            return None
-        future, workers = found
-        if future.status == "pending" and not set(workers) & set(self.client.scheduler_info(n_workers=-1)["workers"]):
-            future.cancel()
-            return None
-        return future
+            found = {i: f for i in todo if (f := self._prebuilt.pop((task.workload_key, steps_list[i]), None))}
+        if any(future.status == "pending" for future, _ in found.values()):
+            alive = set(self.client.scheduler_info(n_workers=-1)["workers"])      # asked once per batch
+            for i, (future, workers) in list(found.items()):
+                if future.status == "pending" and not alive & set(workers):
+                    future.cancel()
+                    del found[i]
+        return {i: future for i, (future, _) in found.items()}
 
     def run_builds(self, task: SearchTask, builds: Sequence[BuildResult]) -> list[MeasureResult]:
         """Time already-built programs (e.g. hand-made artifacts) on the measure workers."""

@@ -195,12 +195,11 @@ class TaskScheduler:
         """The task for the round after the one task `busy` is being measured in (overlapped rounds):
         the strategy's choice from what is known so far, or None when the choice must wait for that
         round's results: the warm-up has no other task left to give its first round."""
-        pending = [i for i in self.warmup_order() if i not in self.dead and i != busy]
+        order = self.warmup_order()
+        pending = [i for i in order if i not in self.dead and i != busy]
         if pending:
             return pending[0]
-        if busy in self.warmup_order():
-            return None
-        return self.choose()
+        return None if busy in order else self.choose()
 
     def gradient(self, i: int) -> float:
         costs = list(self.best_costs)
