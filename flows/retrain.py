@@ -21,6 +21,7 @@ from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import MIN_FIT_PROGRAMS, WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
 from tensortune.search.feature_pool import Featurizer
+from tensortune.search.helper_pool import HelperPool
 from tensortune.storage.models import ModelStore
 from tensortune.storage.records import RecordStore
 from tensortune.storage.tasks import TaskStore
@@ -39,6 +40,10 @@ class NewestModel(CostModel):
 
     def use(self, model: CostModel, version: str) -> None:
         self.model, self.version = model, version
+
+    @property
+    def helpers(self) -> HelperPool:
+        return self.features.helpers
 
     def predict(self, task: SearchTask, programs: Sequence[Program]) -> np.ndarray:
         return self.model.predict(task, programs)

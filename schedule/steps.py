@@ -4,6 +4,8 @@ step list replays anywhere.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,6 +35,12 @@ class Step:
 
     code = ""
 
+    def __reduce__(self):
+        """Pickled as its class and field values: a dataclass's default (a state dict per step, rebuilt
+        through __setstate__) took four times as long, and the search ships thousands of step lists
+        between processes every round."""
+        return type(self), tuple(getattr(self, f) for f in _field_names(type(self)))
+
     def apply(self, state: "State") -> "State":
         raise NotImplementedError
 
@@ -44,6 +52,11 @@ class Step:
     def from_json(cls, args: list) -> "Step":
         """The step from its JSON arguments (the list after the code)."""
         raise NotImplementedError
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def check_stage(state: "State", stage_id: int, what: str) -> Stage:

@@ -22,6 +22,7 @@ import numpy as np
 from tensortune.schedule.program import Program
 from tensortune.search.feature_layout import N_FEATURES
 from tensortune.search.feature_pool import Featurizer
+from tensortune.search.helper_pool import HelperPool
 from tensortune.tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")
@@ -43,6 +44,12 @@ class CostModel:
 
     def predict(self, task: SearchTask, programs: Sequence[Program]) -> np.ndarray:
         raise NotImplementedError
+
+    @property
+    def helpers(self) -> HelperPool | None:
+        """The processes the model computes features on; the search draws its samples there too (None:
+        everything runs in this process)."""
+        return None
 
     def update(self, task: SearchTask, programs: Sequence[Program], costs: Sequence[float]) -> None:
         """Learn from measurements (`costs` in seconds; inf for failures)."""
@@ -161,6 +168,10 @@ class XGBModel(CostModel):
         self.unseen: dict[str, int] = {}    # workload key -> rows added since the booster was trained
         self.trainings = 0                  # fits so far; `version` is its text
         self._fallback = RandomModel(seed)
+
+    @property
+    def helpers(self) -> HelperPool:
+        return self.features.helpers
 
     # ------------------------------------------------------------------ data
 

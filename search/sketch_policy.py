@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
-from tensortune.search.annotation import InvalidSample, sample_state
 from tensortune.search.candidate import Candidate, StepsKey
 from tensortune.search.cost_model import CostModel, RandomModel
 from tensortune.search.memory import paused_gc
@@ -29,10 +27,15 @@ from tensortune.search.mutation import (
     mutate_tile_size,
 )
 from tensortune.search.params import SearchParams
+from tensortune.search.sampling import SHARES, SketchDraws
 from tensortune.search.sketch_rules import Sketch, SketchContext, SketchRule, generate_sketches
 from tensortune.tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")
+
+# rounds of shares `sample` draws before it settles for fewer programs than asked (drawn programs can
+# repeat each other or earlier ones; a small space runs out)
+SAMPLE_WAVES = 4
 
 
 @dataclass
@@ -57,6 +60,7 @@ class SketchPolicy:
         self.sketches: list[Sketch] = generate_sketches(self.ctx, rules)
         if not self.sketches:
             raise ValueError(f"no sketch could be generated for {task}")
+        self.draws = SketchDraws(task, self.sketches, self.params)
         self.measured: dict[StepsKey, float] = {}        # program key -> throughput (GFLOP/s), 0 if failed
         self.measured_cands: dict[StepsKey, Candidate] = {}
         # proposed and not yet measured: a round searched while the last one is still being timed
@@ -77,28 +81,24 @@ class SketchPolicy:
     # ------------------------------------------------------------------ sampling
 
     def sample(self, n: int) -> list[Candidate]:
-        """n random complete programs, unique and not measured before (fewer if the space is small)."""
+        """n random complete programs, unique and not measured before (fewer if the space is small).
+        Drawn in SHARES seeded shares on the model's helper processes (`sampling`): the same programs
+        with or without helpers."""
         out: dict[StepsKey, Candidate] = {}
-        tries = 0
-        sample = self._sample_fn()
-        while len(out) < n and tries < 4 * n + 20:
-            tries += 1
-            k = self.rng.randrange(len(self.sketches))
-            try:
-                st = sample(self.sketches[k])
-            except (InvalidSample, IllegalStep):
-                continue
-            c = Candidate.of(st, k)
-            if not self._taken(c.key) and c.key not in out:
-                out[c.key] = c
-        return list(out.values())
-
-    def _sample_fn(self):
-        p = self.params
-        if self.is_gpu:
-            from tensortune.search.gpu_annotation import sample_gpu_state
-            return lambda sk: sample_gpu_state(sk, self.rng, self.task, p)
-        return lambda sk: sample_state(sk, self.rng, self.task.hardware.num_cores, p)
+        for _ in range(SAMPLE_WAVES):
+            need = n - len(out)
+            if need <= 0:
+                break
+            seeds = [self.rng.randrange(1 << 31) for _ in range(SHARES)]
+            before = len(out)
+            for k, program in self.draws.draw(seeds, -(-need // SHARES), self.model.helpers):
+                c = Candidate.of(program, k) if isinstance(program, State) else \
+                    Candidate(self.task.dag, program, k)
+                if not self._taken(c.key) and c.key not in out:
+                    out[c.key] = c
+            if len(out) == before:
+                break                       # the space is (nearly) exhausted
+        return list(out.values())[:n]
 
     # ------------------------------------------------------------------ evolution
 

@@ -32,7 +32,7 @@ def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
 
 
 def _helper_pids(featurizer: Featurizer) -> list[int]:
-    return [pid for ex in featurizer._executors if ex is not None for pid in ex._processes]
+    return featurizer.helpers.pids()
 
 
 def test_helpers_compute_the_same_features(population):
@@ -74,7 +74,7 @@ def test_helpers_exit_with_a_killed_parent(tmp_path):
             task = make_task(make_dag("matmul", 64, 64, 64))
             f = Featurizer(processes=1, min_batch=1)
             f(task, SketchPolicy(task, seed=0).sample(64))
-            print(*[p for ex in f._executors for p in ex._processes], flush=True)
+            print(*f.helpers.pids(), flush=True)
             time.sleep(600)
     """)
     path = tmp_path / "parent.py"
@@ -103,7 +103,7 @@ def test_a_helper_shut_down_skips_the_interpreter_teardown(tmp_path):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from tensortune.search.feature_pool import _start_helper
+    from tensortune.search.helper_pool import _start_helper
     for helper in (True, False):
         mark = tmp_path / f"finalised-{helper}"
         kw = {"initializer": _start_helper, "initargs": (os.getpid(),)} if helper else {}
