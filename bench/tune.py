@@ -45,6 +45,9 @@ WORKLOADS = {
     "matmul": ("matmul", (1024, 1024, 1024), "numpy"),
     "matmul_bias_relu": ("matmul_bias_relu", (1024, 1024, 1024), "numpy"),
     "conv2d_relu": ("conv2d_relu", (1, 56, 56, 64, 64, 3, 3, 1, 1), "torch"),
+    # the same layer channels-last, as tensortune's networks run it: its contiguous axis is the 64 output
+    # channels, where NCHW's is the 56 columns, which no whole number of 16-float vectors covers
+    "conv2d_nhwc_relu": ("conv2d_relu", (1, 56, 56, 64, 64, 3, 3, 1, 1, False, "float32", "NHWC"), "torch"),
     "depthwise_conv2d": ("depthwise_conv2d", (1, 112, 112, 32, 3, 1, 1), "torch"),
 }
 
@@ -64,6 +67,9 @@ def library_fn(key: str, dag, threads: int) -> tuple[str, object]:
         return "torch", None
     x, w = (torch.from_numpy(v) for v in inputs)
     if key == "conv2d_relu":
+        return "torch", lambda: torch.relu(torch.nn.functional.conv2d(x, w, padding=1))
+    if key == "conv2d_nhwc_relu":       # NHWC data as PyTorch's channels_last, the HWIO kernel as OIHW
+        x, w = x.permute(0, 3, 1, 2), w.permute(3, 2, 0, 1).contiguous()
         return "torch", lambda: torch.relu(torch.nn.functional.conv2d(x, w, padding=1))
     return "torch", lambda: torch.nn.functional.conv2d(x, w, padding=1, groups=w.shape[0])
 

@@ -116,15 +116,24 @@ def conv2d(N: int = 1, H: int = 224, W: int = 224, CI: int = 3, CO: int = 64, KH
 
 @workload("conv2d_relu")
 def conv2d_relu(N: int = 1, H: int = 56, W: int = 56, CI: int = 64, CO: int = 64, KH: int = 3, KW: int = 3,
-                stride: int = 1, padding: int = 1, bias: bool = False, dtype: str = "float32"):
-    """The ResNet-18 layer of the benchmarks: relu(conv2d(data, kernel) [+ bias])."""
-    data = te.placeholder((N, CI, H, W), dtype, "data")
-    kernel = te.placeholder((CO, CI, KH, KW), dtype, "kernel")
-    args, out = [data, kernel], ops.conv2d_nchw(data, kernel, stride, padding)
+                stride: int = 1, padding: int = 1, bias: bool = False, dtype: str = "float32", layout: str = "NCHW"):
+    """The ResNet-18 layer of the benchmarks: relu(conv2d(data, kernel) [+ bias]); NHWC (kernel HWIO)
+    is the layout tensortune's networks run their convs in (tasks.channels_last)."""
+    if layout == "NCHW":
+        data = te.placeholder((N, CI, H, W), dtype, "data")
+        kernel = te.placeholder((CO, CI, KH, KW), dtype, "kernel")
+        out, channel_axis = ops.conv2d_nchw(data, kernel, stride, padding), 1
+    elif layout == "NHWC":
+        data = te.placeholder((N, H, W, CI), dtype, "data")
+        kernel = te.placeholder((KH, KW, CI, CO), dtype, "kernel")
+        out, channel_axis = ops.conv2d_nhwc(data, kernel, stride, padding), 3
+    else:
+        raise ValueError(f"conv2d layout must be NCHW or NHWC, got {layout!r}")
+    args = [data, kernel]
     if bias:
         b = te.placeholder((CO,), dtype, "bias")
         args.append(b)
-        out = ops.bias_add(out, b, axis=1)
+        out = ops.bias_add(out, b, axis=channel_axis)
     return args + [ops.relu(out)]
 
 

@@ -120,3 +120,29 @@ def test_missing_input_is_named():
 def test_malformed_dag_json_is_a_clear_error():
     with pytest.raises(DAGError, match="malformed ComputeDAG JSON"):
         ComputeDAG.from_json('{"tensors": [{"name": 1}]}')
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_nhwc_conv_layer_is_the_nchw_layer_transposed(bias):
+    """bench tune's conv2d_nhwc_relu is the ResNet-18 layer channels-last: the same numbers as the NCHW
+    layer with its data, kernel and output transposed."""
+    args = (1, 9, 7, 5, 6, 3, 3, 1, 1, bias)
+    nchw, nhwc = make_dag("conv2d_relu", *args), make_dag("conv2d_relu", *args, "float32", "NHWC")
+    x, w, *b = nchw.random_inputs(seed=3)
+    want = evaluate(nchw, [x, w, *b])[0]
+    got = evaluate(nhwc, [x.transpose(0, 2, 3, 1).copy(), w.transpose(2, 3, 1, 0).copy(), *b])[0]
+    np.testing.assert_allclose(got, want.transpose(0, 2, 3, 1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="layout must be NCHW or NHWC"):
+        make_dag("conv2d_relu", *args, "float32", "NCWH")
+
+
+def test_the_benchmarks_channels_last_torch_call_computes_the_nhwc_layer():
+    torch = pytest.importorskip("torch")
+    from bench.tune import WORKLOADS, library_fn
+    name, args, _ = WORKLOADS["conv2d_nhwc_relu"]
+    small = make_dag(name, 1, 10, 12, 16, 32, 3, 3, 1, 1, *args[9:])
+    _, fn = library_fn("conv2d_nhwc_relu", small, threads=1)
+    out = fn()
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    want = evaluate(small, small.random_inputs())[0]
+    np.testing.assert_allclose(out.permute(0, 2, 3, 1).numpy(), want, rtol=1e-4, atol=1e-4)
