@@ -119,16 +119,8 @@ def conv2d_relu(N: int = 1, H: int = 56, W: int = 56, CI: int = 64, CO: int = 64
                 stride: int = 1, padding: int = 1, bias: bool = False, dtype: str = "float32", layout: str = "NCHW"):
     """The ResNet-18 layer of the benchmarks: relu(conv2d(data, kernel) [+ bias]); NHWC (kernel HWIO)
     is the layout tensortune's networks run their convs in (tasks.channels_last)."""
-    if layout == "NCHW":
-        data = te.placeholder((N, CI, H, W), dtype, "data")
-        kernel = te.placeholder((CO, CI, KH, KW), dtype, "kernel")
-        out, channel_axis = ops.conv2d_nchw(data, kernel, stride, padding), 1
-    elif layout == "NHWC":
-        data = te.placeholder((N, H, W, CI), dtype, "data")
-        kernel = te.placeholder((KH, KW, CI, CO), dtype, "kernel")
-        out, channel_axis = ops.conv2d_nhwc(data, kernel, stride, padding), 3
-    else:
-        raise ValueError(f"conv2d layout must be NCHW or NHWC, got {layout!r}")
+    data, kernel, out = conv2d(N, H, W, CI, CO, KH, KW, stride, padding, 1, layout, dtype)
+    channel_axis = 1 if layout == "NCHW" else 3
     args = [data, kernel]
     if bias:
         b = te.placeholder((CO,), dtype, "bias")
