@@ -19,6 +19,7 @@ import atexit
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 import weakref
@@ -94,14 +95,23 @@ class HelperPool:
 
 
 def _shutdown(executors: list) -> None:
+    """Stop the helpers and wait for them (a helper exits at its first exit handler, so the wait is
+    short). Not waiting left each executor's manager thread closing its wake-up pipe while the
+    interpreter's exit handler wrote to it (concurrent.futures, CPython 3.11): an OSError traceback after
+    a Ctrl-C'd `tune-op` had printed its one line."""
     for n, executor in enumerate(executors):
         if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+            executor.shutdown(wait=True, cancel_futures=True)
             executors[n] = None
 
 
 def _start_helper(parent: int) -> None:
-    """In a helper, first: exit at once when the pool shuts it down, and when the parent is gone.
+    """In a helper, first: leave Ctrl-C to the parent, exit at once when the pool shuts it down, and
+    when the parent is gone.
+
+    A terminal's Ctrl-C goes to the whole process group: a helper waiting for its next job printed a
+    KeyboardInterrupt traceback under the parent's one-line message. The parent stops on it and shuts
+    the pool down, so a helper ignores SIGINT.
 
     At shutdown the interpreter would free the helper's heap object by object and run the cyclic GC
     over it: with a night's templates (2 GB) that took two helpers minutes of CPU after the search had
@@ -109,6 +119,7 @@ def _start_helper(parent: int) -> None:
     Nothing in a helper needs finalising (its results went back before the shutdown message came),
     so the first exit handler ends the process. A killed parent cannot tell us it is gone: we would
     wait forever, so a thread watches."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     atexit.register(os._exit, 0)
 
     def watch() -> None:
