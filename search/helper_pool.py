@@ -1,7 +1,7 @@
 """HelperPool: one process beside this one per other core, for the search's CPU-bound Python work.
 
 A search round is Python on one core unless it hands work to other processes: feature extraction
-(`feature_pool.Featurizer`) and the initial population's sampling (`sampling.draw_programs`) both
+(`feature_pool.Featurizer`) and the initial population's sampling (`sampling.SketchDraws`) both
 deal their work out by a stable rule, so each helper keeps its own per-task state warm (templates,
 replayed sketches) from call to call, and the caller takes one share itself. Helper `n` is one
 single-process executor, so a job always lands on the process whose state it warmed.
