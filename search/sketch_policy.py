@@ -18,6 +18,7 @@ import numpy as np
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate, StepsKey
 from tensortune.search.cost_model import CostModel, RandomModel
+from tensortune.search.gpu_annotation import check_gpu_limits
 from tensortune.search.memory import paused_gc
 from tensortune.search.mutation import (
     crossover,
@@ -219,7 +220,6 @@ class SketchPolicy:
         mutations and crossover can cross them, and measuring it would only waste a trial."""
         if not self.is_gpu:
             return True
-        from tensortune.search.gpu_annotation import check_gpu_limits
         why = check_gpu_limits(c.state, self.task.hardware)
         if why is not None:
             self.timing.n_over_limits += 1
