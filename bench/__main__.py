@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = ("codegen", "tune", "network", "transfer", "storage", "pipeline")
+SUITES = ("codegen", "tune", "space", "network", "transfer", "storage", "pipeline")
 
 
 def main(argv: list[str]) -> int:

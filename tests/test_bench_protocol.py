@@ -317,3 +317,25 @@ def test_retime_without_the_records_of_a_run_is_one_line_before_anything_starts(
     with pytest.raises(SystemExit):
         main(["resnet-18", "--retime"])
     assert "no --records DIR/<network>/gradient for resnet-18" in capsys.readouterr().err
+
+
+def test_space_bench_refuses_bad_input_in_one_line(capsys):
+    from bench.space import main
+    assert main(["--workloads", "matmul,resnet"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --workloads resnet: not one of matmul, matmul_bias_relu, "
+                                               "conv2d_relu, conv2d_nhwc_relu, depthwise_conv2d")
+    assert main(["--params", "max_vectorize_size=64", "vector_width=8"]) == 2
+    assert (capsys.readouterr().err.strip()
+            == "error: --params 'vector_width=8': SearchParams has no field 'vector_width'")
+    assert main(["--programs", "0"]) == 2
+
+
+def test_space_bench_summary_ranks_the_programs_it_timed():
+    from bench.space import parse_setting, summary
+    got = summary([float(g) for g in [0, 50, 10, 40, 20, 30, 60, 70, 80, 90, 100, 5]], peak=200.0)
+    assert got["programs"] == 12 and got["failed"] == 1
+    assert got["best_gflops"] == 100 and got["top10_mean_gflops"] == sum(range(10, 101, 10)) / 10
+    assert got["p90_gflops"] == 90 and got["median_gflops"] == 40 and got["best_peak_frac"] == 0.5
+    assert parse_setting("max_vectorize_size=16,crossover_prob=0.5") == {"max_vectorize_size": 16,
+                                                                         "crossover_prob": 0.5}
+    assert parse_setting("") == {}
