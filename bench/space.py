@@ -16,23 +16,15 @@ import statistics
 import sys
 
 from bench.common import ensure_clean_blas_env, environment, limit_threads, print_table, write_json
-from bench.tune import WORKLOADS, workload_task
+from bench.tune import WORKLOADS, param_overrides, workload_task
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 
 BATCH = 16
 
 
 def parse_setting(text: str) -> dict:
-    """"name=value,name=value" -> SearchParams overrides ("" is the defaults); a clear error for a
-    field SearchParams does not have."""
-    out: dict = {}
-    defaults = SearchParams()
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        if not hasattr(defaults, name):
-            raise ValueError(f"--params {text!r}: SearchParams has no field {name!r}")
-        out[name] = type(getattr(defaults, name))(value)
-    return out
+    """"name=value,name=value" -> SearchParams overrides ("" is the defaults)."""
+    return param_overrides([item for item in text.split(",") if item])
 
 
 def summary(gflops: list[float], peak: float) -> dict:
@@ -64,7 +56,7 @@ def main(argv: list[str]) -> int:
     try:
         settings = [(text or "defaults", parse_setting(text)) for text in args.params]
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: --params {e}", file=sys.stderr)
         return 2
     from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
     ensure_clean_blas_env()

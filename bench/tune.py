@@ -252,13 +252,29 @@ def _last_finite(values: list[float]) -> float | None:
     return finite[-1] if finite else None
 
 
+def param_overrides(items: list[str]) -> dict:
+    """["name=value", ...] -> SearchParams overrides, each value of its field's type; ValueError (one
+    line) for a field SearchParams does not have or a value of the wrong type."""
+    defaults, out = SearchParams(), {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not hasattr(defaults, name):
+            raise ValueError(f"{item!r}: SearchParams has no field {name!r}")
+        kind = type(getattr(defaults, name))
+        try:
+            if kind is bool:        # bool("false") is True
+                out[name] = {"true": True, "1": True, "false": False, "0": False}[value.lower()]
+            else:
+                out[name] = kind(value)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{item!r}: {name} must be of type {kind.__name__}") from None
+    return out
+
+
 def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
     """Each workload (and ablation run) searched with its own measurer, then re-timed."""
     from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
-    overrides = {}
-    for item in args.param:
-        k, _, v = item.partition("=")
-        overrides[k] = type(getattr(SearchParams(), k))(v)
+    overrides = param_overrides(args.param)
     rows, curves = [], {}
     runs = [("xgb", 0.05, "xgb+crossover")]
     if args.ablate:
@@ -330,6 +346,11 @@ def main(argv: list[str]) -> int:
     missing = [p for p in args.history if not os.path.isdir(p)]
     if missing:
         print(f"error: --history {missing[0]}: no such folder", file=sys.stderr)
+        return 2
+    try:
+        param_overrides(args.param)
+    except ValueError as e:
+        print(f"error: --param {e}", file=sys.stderr)
         return 2
     ensure_clean_blas_env()
     with limit_threads(args.threads):

@@ -319,7 +319,7 @@ def test_retime_without_the_records_of_a_run_is_one_line_before_anything_starts(
     assert "no --records DIR/<network>/gradient for resnet-18" in capsys.readouterr().err
 
 
-def test_space_bench_refuses_bad_input_in_one_line(capsys):
+def test_space_and_tune_benches_refuse_bad_params_in_one_line(capsys):
     from bench.space import main
     assert main(["--workloads", "matmul,resnet"]) == 2
     assert capsys.readouterr().err.strip() == ("error: --workloads resnet: not one of matmul, matmul_bias_relu, "
@@ -328,6 +328,10 @@ def test_space_bench_refuses_bad_input_in_one_line(capsys):
     assert (capsys.readouterr().err.strip()
             == "error: --params 'vector_width=8': SearchParams has no field 'vector_width'")
     assert main(["--programs", "0"]) == 2
+    from bench.tune import main as tune_main
+    assert tune_main(["--param", "max_vectorize_size=wide"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "error: --param 'max_vectorize_size=wide': max_vectorize_size must be of type int")
 
 
 def test_space_bench_summary_ranks_the_programs_it_timed():
@@ -339,3 +343,5 @@ def test_space_bench_summary_ranks_the_programs_it_timed():
     assert parse_setting("max_vectorize_size=16,crossover_prob=0.5") == {"max_vectorize_size": 16,
                                                                          "crossover_prob": 0.5}
     assert parse_setting("") == {}
+    assert parse_setting("disable_cpu_packing=false,disable_change_compute_location=1") == {
+        "disable_cpu_packing": False, "disable_change_compute_location": True}
