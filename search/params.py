@@ -12,8 +12,9 @@ class SearchParams:
     to LLVM's own vectoriser, which sometimes vectorises across the tile's rows with gathers and scatters
     (a matmul's 8x32 accumulator tile ran at 8 GFLOP/s, 444 with the annotation). Our code generator
     emits any width as whole vectors, so every innermost tile the splits may draw (64) is vectorised.
-    Of 128 random matmul 1024^3 programs on a Zen 5 (AVX-512), the fastest ran 499 GFLOP/s with 64 and
-    459 with 16, the tenth percentile 369 and 247; the NHWC ResNet-18 conv 530 and 492 (README)."""
+    `python -m bench space`, 128 random programs each, two seeds, Zen 5 (AVX-512): the fastest matmul
+    1024^3 ran 454 / 449 GFLOP/s with 64 and 393 / 425 with 16, its 90th percentile 341 / 372 against
+    223 / 262; the NCHW ResNet-18 conv 436 / 429 against 269 / 332 (README)."""
     population: int = 2048
     num_iters: int = 4
     mutation_prob: float = 0.85
