@@ -38,6 +38,7 @@ from bench.common import (
     write_json,
 )
 from bench.transfer import history_model
+from tensortune.codegen.confirmation import CONFIRM_TIMINGS
 from tensortune.search.cost_model import MIN_FIT_PROGRAMS, WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
 from tensortune.search.sketch_policy import SearchParams
 
@@ -102,9 +103,11 @@ def workload_task(key: str, threads: int):
 
 
 def run_one(key: str, trials: int, model, crossover: float, measurer, seed: int, per_round: int,
-            overrides: dict | None = None, threads: int = 2, warmup: int = WARMUP_PROGRAMS):
+            overrides: dict | None = None, threads: int = 2, warmup: int = WARMUP_PROGRAMS,
+            confirm: int = CONFIRM_TIMINGS):
     """model: "xgb", "xgb-rank", "random" or a model instance (the transfer row's, trained on history);
-    warmup: the programs a fresh model waits for before its scores are used (XGBModel.num_warmup_sample)."""
+    warmup: the programs a fresh model waits for before its scores are used (XGBModel.num_warmup_sample);
+    confirm: timings added to a would-be best before it counts (codegen.confirmation)."""
     from tensortune.flows.tuning import make_model, tune_task
     task = workload_task(key, threads)
     params = SearchParams(**{"crossover_prob": crossover, "num_measures_per_round": per_round, **(overrides or {})})
@@ -114,7 +117,7 @@ def run_one(key: str, trials: int, model, crossover: float, measurer, seed: int,
         cost_model = make_model(model, seed, warmup)
     label = model if isinstance(model, str) else "transfer"
     watch = Stopwatch()
-    res = tune_task(task, trials, measurer=measurer, model=cost_model, params=params, seed=seed,
+    res = tune_task(task, trials, measurer=measurer, model=cost_model, params=params, seed=seed, confirm=confirm,
                     progress=lambda log, r: print(f"  {key} [{label}, crossover {crossover}] round {log.round}: "
                                                   f"{log.trials} trials, best {log.best_gflops:.1f} GFLOP/s, "
                                                   f"search {log.search_s + log.train_s:.1f}s "
@@ -294,7 +297,7 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
             try:
                 task, res, wall, overhead, cost_model = run_one(key, args.trials, model, cross, measurer,
                                                                 args.seed, args.per_round, overrides, args.threads,
-                                                                args.warmup)
+                                                                args.warmup, args.confirm)
             finally:
                 measurer.close()        # its runner's thread pool must not meet the re-timing's
             ranking = history_ranking(cost_model, task, args.seed)
@@ -339,6 +342,9 @@ def main(argv: list[str]) -> int:
                          "tasks on this target (repeat for more stores)")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                     help="override a SearchParams field, e.g. --param max_vectorize_size=64")
+    ap.add_argument("--confirm", type=int, default=CONFIRM_TIMINGS, metavar="N",
+                    help="timings added to a program before it becomes the best (0: best seen is the luckiest "
+                         "single timing, as before)")
     args, rest = ap.parse_known_args(argv)
     if args.target.startswith("cuda"):
         from bench import tune_cuda
@@ -346,6 +352,9 @@ def main(argv: list[str]) -> int:
     missing = [p for p in args.history if not os.path.isdir(p)]
     if missing:
         print(f"error: --history {missing[0]}: no such folder", file=sys.stderr)
+        return 2
+    if args.confirm < 0:
+        print(f"error: --confirm {args.confirm}: give 0 or more timings", file=sys.stderr)
         return 2
     try:
         param_overrides(args.param)
@@ -363,6 +372,7 @@ def main(argv: list[str]) -> int:
         else:
             rows, curves = tune_and_retime(args, peak)
         env["threads_used"] = threads_used(llvm_target(args.threads))
+        env["confirm_timings"] = args.confirm
     print(f"threads used: {env['threads_used']}")
     print_table(rows, ["workload", "run", "ms", "gflops", "vs", "numpy_ms", "torch_ms", "ratio", "ratio_pairwise",
                        "pairs_ok", "peak_frac", "trials", "search_s", "measure_s", "median_search_s_per_round",

@@ -170,7 +170,10 @@ class ProgramMeasurer:
         self.runner = runner or LocalRunner()
 
     def measure(self, task: SearchTask, steps_list: Sequence[str]) -> list[MeasureResult]:
-        return self.runner.run(task, self.builder.build(task, steps_list))
+        """A program listed more than once (timed again: codegen.confirmation) is built once."""
+        unique = list(dict.fromkeys(steps_list))
+        built = dict(zip(unique, self.builder.build(task, unique)))
+        return self.runner.run(task, [built[s] for s in steps_list])
 
     def close(self) -> None:
         self.builder.close()

@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import CancelledError
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -106,6 +106,10 @@ class DaskStats:
     resubmitted: int = 0        # timings submitted again because their result was lost with a worker
     restarts: int = 0           # times the round started over because the scheduler went away
 
+    def __add__(self, other: "DaskStats") -> "DaskStats":
+        """What two measure() calls cost together (a batch and its re-timed would-be bests)."""
+        return DaskStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
 
 def local_hosts() -> frozenset[str]:
     """The addresses a Dask worker on this machine can report as its host: a measure worker among them
@@ -167,8 +171,11 @@ class DaskMeasurer:
         def run(todo: list[int], out: dict[int, MeasureResult], tag: str) -> None:
             t0 = time.perf_counter()
             builds = self._take_prebuilt(task, steps_list, todo)
+            first = {steps_list[i]: i for i in reversed(todo)}     # a program listed twice is built once
             for i in todo:
-                if i not in builds:
+                if i not in builds and first[steps_list[i]] in builds:
+                    builds[i] = builds[first[steps_list[i]]]
+                elif i not in builds:
                     builds[i] = self._submit(build_candidate, tj, steps_list[i], self.build_timeout,
                                              self.keep_source, pure=False, retries=self.retries,
                                              key=f"build-{task.name}-{tag}-{i}",

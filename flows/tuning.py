@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
+from tensortune.codegen.confirmation import CONFIRM_TIMINGS, confirm_new_bests
 from tensortune.codegen.measure import LocalRunner, Measurer, MeasureResult, ProgramMeasurer
 from tensortune.codegen.network_runtime import touched_bytes
 from tensortune.codegen.target import make_task
@@ -160,17 +161,28 @@ def round_log(policy: SketchPolicy, round_: int, batch: list[Candidate], results
 
 
 def run_round(policy: SketchPolicy, measurer: Measurer, n: int, *, records: RecordStore | None = None,
-              round_: int = 0, flow_run_id: str = "",
-              network: str = "") -> tuple[list[Candidate], list[MeasureResult], RoundLog]:
-    """One search round of one task: propose n programs, measure them, record, learn."""
+              round_: int = 0, flow_run_id: str = "", network: str = "",
+              confirm: int = CONFIRM_TIMINGS) -> tuple[list[Candidate], list[MeasureResult], RoundLog]:
+    """One search round of one task: propose n programs, measure them (a would-be best `confirm` times
+    more: codegen.confirmation), record, learn."""
     t0 = time.perf_counter()
     batch, scores = propose(policy, n)
     t1 = time.perf_counter()
-    results = measurer.measure(policy.task, [c.steps_json for c in batch]) if batch else []
+    results = measure_batch(measurer, policy, batch, confirm)
     t2 = time.perf_counter()
     learn(policy, batch, results, scores, records=records, round_=round_, flow_run_id=flow_run_id,
           network=network)
     return batch, results, round_log(policy, round_, batch, results, t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+
+def measure_batch(measurer: Measurer, policy: SketchPolicy, batch: list[Candidate],
+                  confirm: int = CONFIRM_TIMINGS) -> list[MeasureResult]:
+    """The batch's results, a program that would beat the policy's best timed `confirm` times more."""
+    if not batch:
+        return []
+    steps = [c.steps_json for c in batch]
+    results = measurer.measure(policy.task, steps)
+    return confirm_new_bests(measurer, policy.task, steps, results, policy.best_cost, timings=confirm)
 
 
 def default_programs(task: SearchTask) -> list[State]:
@@ -188,9 +200,10 @@ def tune_task(task: SearchTask, trials: int, *, measurer: Measurer | None = None
               model: str | CostModel = "xgb", params: SearchParams | None = None,
               records: RecordStore | None = None, seed: int = 0, flow_run_id: str = "", network: str = "",
               progress: Callable[[RoundLog, TuneResult], None] | None = None,
-              measure_default: bool = False) -> TuneResult:
+              measure_default: bool = False, confirm: int = CONFIRM_TIMINGS) -> TuneResult:
     """Measure `trials` new programs for `task` and return the best (including earlier records).
-    measure_default: also measure the network runtime's default schedule (first round)."""
+    measure_default: also measure the network runtime's default schedule (first round). confirm: timings
+    added to a program before it becomes the best (codegen.confirmation; 0: none)."""
     params = params or SearchParams()
     policy = SketchPolicy(task, make_model(model, seed), params, seed=seed,
                           initial_programs=default_programs(task) if measure_default else None)
@@ -206,7 +219,7 @@ def tune_task(task: SearchTask, trials: int, *, measurer: Measurer | None = None
         while result.trials < trials:
             n = min(params.num_measures_per_round, trials - result.trials)
             batch, results, log = run_round(policy, measurer, n, records=records, round_=rnd,
-                                            flow_run_id=flow_run_id, network=network)
+                                            flow_run_id=flow_run_id, network=network, confirm=confirm)
             if not batch:
                 break                         # the space is exhausted
             for c, r in zip(batch, results):
@@ -286,8 +299,9 @@ class NetworkTuner:
                  records: RecordStore | None = None, strategy: str = "gradient", objective: Objective | None = None,
                  seed: int = 0, flow_run_id: str = "", network_name: str = "", scheduler_options: dict | None = None,
                  progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None,
-                 resume: bool = True, form_sets: Sequence[Sequence[int]] = ()):
+                 resume: bool = True, form_sets: Sequence[Sequence[int]] = (), confirm: int = CONFIRM_TIMINGS):
         self.trials, self.measurer, self.records, self.progress = trials, measurer, records, progress
+        self.confirm = confirm            # timings added to a would-be best (codegen.confirmation)
         self.flow_run_id, self.network_name = flow_run_id, network_name
         self.params = params = params or SearchParams()
         self.model = make_model(model, seed)
@@ -332,11 +346,12 @@ class NetworkTuner:
         return Proposal(i, batch, scores, time.perf_counter() - t0)
 
     def measure(self, batch: Proposal) -> list[MeasureResult]:
+        """Time the batch; a program that would beat its task's best is timed again first."""
         if not batch.candidates:
             return []
         if self.measurer is None:
             raise ValueError("this tuner has no measurer: measure the batch and pass the results to learn()")
-        return self.measurer.measure(self.policies[batch.task].task, [c.steps_json for c in batch.candidates])
+        return measure_batch(self.measurer, self.policies[batch.task], batch.candidates, self.confirm)
 
     def learn(self, i: int, batch: Proposal, results: list[MeasureResult]) -> None:
         """Append the batch's records (first: learning may fail, a record must not be lost), then update

@@ -332,6 +332,8 @@ def test_space_and_tune_benches_refuse_bad_params_in_one_line(capsys):
     assert tune_main(["--param", "max_vectorize_size=wide"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "error: --param 'max_vectorize_size=wide': max_vectorize_size must be of type int")
+    assert tune_main(["--confirm", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --confirm -1: give 0 or more timings"
 
 
 def test_space_bench_summary_ranks_the_programs_it_timed():

@@ -59,6 +59,17 @@ def test_results_come_back_in_order_with_errors_as_records(cluster, task):
     assert all(r.build_seconds > 0 for r in results[:2]) and all(r.run_seconds > 0 for r in results[:2])
 
 
+def test_a_program_listed_twice_is_built_once_and_timed_twice(cluster, task):
+    # how a would-be best is timed again (codegen.confirmation): one build, one timing per entry
+    good = State(task.dag).split("C", 1, [16]).vectorize("C", 2).steps_json()
+    plain = State(task.dag).steps_json()
+    with get_task_stream(client=cluster) as stream:
+        results = DaskMeasurer(cluster, timing=TIMING).measure(task, [good, plain, good])
+    assert [r.ok for r in results] == [True, True, True]
+    keys = [str(t["key"]) for t in stream.data]
+    assert sum(k.startswith("build-") for k in keys) == 2 and sum(k.startswith("run-") for k in keys) == 3
+
+
 def test_a_crashing_kernel_costs_one_record_not_a_worker(cluster, task):
     pids = cluster.run(os.getpid)
     builder = LocalBuilder(n_parallel=1)
