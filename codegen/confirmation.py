@@ -41,8 +41,11 @@ def confirm_new_bests(measurer: Measurer, task: SearchTask, steps_list: Sequence
     far, counting the confirmed ones; it stops when none is left, so the batch's fastest result is a
     confirmed one unless `passes` ran out. A re-timing that fails makes the program's result that
     failure (its earlier timings kept in `costs`): a program that crashes or answers wrongly when run
-    again must not become the best. A measurer with `stats` (DaskMeasurer: what its last call cost, a
-    dataclass that adds) reports the sum of all its calls. timings=0 turns confirmation off."""
+    again must not become the best. A re-timing call that raises (DaskMeasurer's ClusterError: the
+    cluster went away) ends the confirmation: the batch's results, already measured, must still be
+    recorded, and the tuner's next measure() raises the same error. A measurer with `stats`
+    (DaskMeasurer: what its last call cost, a dataclass that adds) reports the sum of all its calls.
+    timings=0 turns confirmation off."""
     out = list(results)
     if timings < 1 or not out:
         return out
@@ -54,7 +57,10 @@ def confirm_new_bests(measurer: Measurer, task: SearchTask, steps_list: Sequence
                       key=lambda k: out[k].mean)[:per_pass]
         if not todo:
             break
-        again = measurer.measure(task, [steps_list[k] for k in todo for _ in range(timings)])
+        try:
+            again = measurer.measure(task, [steps_list[k] for k in todo for _ in range(timings)])
+        except Exception:  # noqa: BLE001 - the batch's results outrank a re-timing; the next measure() raises it
+            break
         if spent is not None:
             spent = spent + measurer.stats          # type: ignore[attr-defined]
         for n, k in enumerate(todo):

@@ -73,6 +73,14 @@ def test_a_program_that_fails_when_timed_again_is_no_best():
     assert out[1].ok and out[1].mean == 2.0
 
 
+def test_a_measurer_that_fails_while_timing_again_costs_no_result():
+    class ClusterGone(ScriptedTimings):
+        def measure(self, task, steps_list):
+            raise RuntimeError("the Dask client lost the scheduler")
+    out = confirm_new_bests(ClusterGone({}), TASK, ["a", "b"], first(1.0, 2.0), best=3.0)
+    assert [r.costs for r in out] == [[1.0], [2.0]] and all(r.ok for r in out)
+
+
 def test_nothing_is_timed_again_without_a_would_be_best_or_with_confirmation_off():
     timings = ScriptedTimings({})
     assert confirm_new_bests(timings, TASK, ["a"], first(5.0), best=4.0)[0].costs == [5.0]
