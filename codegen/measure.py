@@ -16,6 +16,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from tensortune.codegen.artifact import Artifact
+from tensortune.codegen.recent_builds import RecentBuilds
 from tensortune.codegen.timing import ErrorCode, TimingConfig, reference_file
 from tensortune.codegen.worker_pool import JobResult, WorkerPool
 from tensortune.tasks.search_task import SearchTask
@@ -168,11 +169,18 @@ class ProgramMeasurer:
     def __init__(self, builder: LocalBuilder | None = None, runner: LocalRunner | None = None):
         self.builder = builder or LocalBuilder()
         self.runner = runner or LocalRunner()
+        self.recent: RecentBuilds[BuildResult] = RecentBuilds()
 
     def measure(self, task: SearchTask, steps_list: Sequence[str]) -> list[MeasureResult]:
-        """A program listed more than once (timed again: codegen.confirmation) is built once."""
-        unique = list(dict.fromkeys(steps_list))
-        built = dict(zip(unique, self.builder.build(task, unique)))
+        """A program listed more than once, or built by one of the last calls (timed again:
+        codegen.confirmation), is built once."""
+        tj = task.to_json()
+        built = {s: b for s in dict.fromkeys(steps_list) if (b := self.recent.get(tj, s)) is not None}
+        new = [s for s in dict.fromkeys(steps_list) if s not in built]
+        for s, b in zip(new, self.builder.build(task, new) if new else []):
+            built[s] = b
+            if b.artifact is not None:
+                self.recent.put(tj, s, b)
         return self.runner.run(task, [built[s] for s in steps_list])
 
     def close(self) -> None:

@@ -3,7 +3,9 @@
 Builds run on any worker (CUDA builds on workers advertising `nvcc`), in parallel; timings run only on
 workers advertising the task's resource
 (`measure-cpu` or `GPU`, one unit each, so one timing at a time per node), after every build of the
-batch is done (a build must not share a node with a timing). Inside a worker, the build and the timing
+batch is done (a build must not share a node with a timing). A program built by one of the last calls (a
+would-be best timed again, codegen.confirmation) is timed from that build's future, not built again
+(codegen.recent_builds). Inside a worker, the build and the timing
 run in that worker's own isolated process pools (codegen.worker_pool), so a crashing or hanging kernel
 costs its own record and never the Dask worker. A Dask worker that dies mid-round costs retries: the
 scheduler reruns its futures elsewhere (after the nanny restarts it); results are fetched as each timing
@@ -35,6 +37,7 @@ from distributed import Client, Future, wait
 from distributed.client import ClosedClientError
 
 from tensortune.codegen.measure import BuildResult, LocalBuilder, LocalRunner, MeasureResult
+from tensortune.codegen.recent_builds import RecentBuilds
 from tensortune.codegen.timing import ErrorCode, TimingConfig
 from tensortune.flows.dask_cluster import ClusterError, build_resource, measure_resource, require_resource, workers_with
 from tensortune.flows.measure_targets import measure_node_targets, resolve_measure_target
@@ -149,6 +152,8 @@ class DaskMeasurer:
         # builds started ahead (prebuild), by (workload key, steps), taken by the measure() of their batch
         self._prebuilt: dict[tuple[str, str], tuple[Future, list[str]]] = {}
         self._prebuilt_lock = threading.Lock()
+        # builds of the last calls' programs: a program timed again (codegen.confirmation) is not rebuilt
+        self.recent: RecentBuilds[Future] = RecentBuilds()
         self.build_timeout, self.run_timeout, self.retries = build_timeout, run_timeout, retries
         self.round_timeout, self.resource_wait, self.keep_source = round_timeout, resource_wait, keep_source
         self.workers = tuple(workers)              # timings only on these (the target's measure nodes); () = any
@@ -173,15 +178,22 @@ class DaskMeasurer:
             builds = self._take_prebuilt(task, steps_list, todo)
             first = {steps_list[i]: i for i in reversed(todo)}     # a program listed twice is built once
             for i in todo:
-                if i not in builds and first[steps_list[i]] in builds:
+                if i in builds:
+                    continue
+                if first[steps_list[i]] in builds:
                     builds[i] = builds[first[steps_list[i]]]
-                elif i not in builds:
+                elif (done := self._recent_build(tj, steps_list[i])) is not None:
+                    builds[i] = done                                # built by an earlier call
+                else:
                     builds[i] = self._submit(build_candidate, tj, steps_list[i], self.build_timeout,
                                              self.keep_source, pure=False, retries=self.retries,
                                              key=f"build-{task.name}-{tag}-{i}",
                                              resources={builder: 1} if builder else None)
             self._wait(list(builds.values()), deadline)     # no build may share a node with a timing
             self._check_scheduler(builds.values())
+            for i in todo:
+                if builds[i].status == "finished":
+                    self.recent.put(tj, steps_list[i], builds[i])
             t1 = time.perf_counter()
             stats.build_s += t1 - t0
             self._collect(self._run_submitter(task, tj, tag, resource, builds), todo, deadline, out, stats)
@@ -228,6 +240,15 @@ class DaskMeasurer:
                     # strict: a loose restriction lets Dask's work stealing move builds onto a timing node
                     allow_other_workers=False, resources={builder: 1} if builder else None), workers))
         return True
+
+    def _recent_build(self, tj: str, steps: str) -> Future | None:
+        """The finished build of `steps` from one of the last calls; None if there is none, or if it
+        was cancelled or lost since (a restarted cluster: built anew)."""
+        future = self.recent.get(tj, steps)
+        if future is not None and future.status != "finished":
+            self.recent.discard(tj, steps)
+            return None
+        return future
 
     def _take_prebuilt(self, task: SearchTask, steps_list: Sequence[str], todo: Sequence[int]) -> dict[int, Future]:
         """The builds started ahead for candidates `todo`, except those that can no longer finish: still

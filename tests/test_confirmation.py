@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tensortune.codegen.confirmation import confirm_new_bests
-from tensortune.codegen.measure import LocalBuilder, LocalRunner, MeasureResult, ProgramMeasurer
+from tensortune.codegen.measure import LocalRunner, MeasureResult, ProgramMeasurer
 from tensortune.codegen.target import make_task
 from tensortune.codegen.timing import ErrorCode, TimingConfig
 from tensortune.flows.dask_measure import DaskStats
@@ -14,6 +14,7 @@ from tensortune.flows.tuning import tune_task
 from tensortune.search.sketch_policy import SearchParams
 from tensortune.storage.records import RecordStore
 from tensortune.tasks.workload_registry import make_dag
+from tests.test_recent_builds import CountingBuilder
 
 TASK = make_task(make_dag("matmul", 32, 32, 32))
 
@@ -90,14 +91,16 @@ def test_nothing_is_timed_again_without_a_would_be_best_or_with_confirmation_off
 
 def test_tune_task_records_its_best_with_every_timing(tmp_path):
     # the real measurer: the stored best holds its first timing's 2 repeats and 2 more timings' 2 each,
-    # in one record (no record added), and its mean is theirs
+    # in one record (no record added), and its mean is theirs; every program is built once
     params = SearchParams(population=64, sample_init_population=64, num_iters=1, num_measures_per_round=8)
     store = RecordStore(str(tmp_path / "records"))
     task = make_task(make_dag("matmul", 64, 64, 64))
-    with ProgramMeasurer(LocalBuilder(n_parallel=1), LocalRunner(config=TimingConfig(min_repeat_ms=5, repeat=2))) as m:
+    builder = CountingBuilder(n_parallel=1)
+    with ProgramMeasurer(builder, LocalRunner(config=TimingConfig(min_repeat_ms=5, repeat=2))) as m:
         result = tune_task(task, 16, measurer=m, params=params, records=store, seed=0)
     frame = store.read()
     assert len(frame) == 16 and result.trials == 16
+    assert len(builder.built) == len(set(builder.built)) == 16     # a program timed again is not rebuilt
     best = frame.loc[frame["mean_latency"].idxmin()]
     assert len(best["latencies"]) == 6
     assert best["mean_latency"] == pytest.approx(np.mean(best["latencies"]))

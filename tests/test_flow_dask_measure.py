@@ -70,6 +70,17 @@ def test_a_program_listed_twice_is_built_once_and_timed_twice(cluster, task):
     assert sum(k.startswith("build-") for k in keys) == 2 and sum(k.startswith("run-") for k in keys) == 3
 
 
+def test_a_program_timed_again_in_a_later_call_is_timed_from_its_first_build(cluster, task):
+    good = State(task.dag).split("C", 1, [16]).vectorize("C", 2).steps_json()
+    measurer = DaskMeasurer(cluster, timing=TIMING)
+    with get_task_stream(client=cluster) as stream:
+        first = measurer.measure(task, [good])
+        again = measurer.measure(task, [good, good])
+    assert [r.ok for r in first + again] == [True, True, True]
+    keys = [str(t["key"]) for t in stream.data]
+    assert sum(k.startswith("build-") for k in keys) == 1 and sum(k.startswith("run-") for k in keys) == 3
+
+
 def test_a_crashing_kernel_costs_one_record_not_a_worker(cluster, task):
     pids = cluster.run(os.getpid)
     builder = LocalBuilder(n_parallel=1)
