@@ -1,15 +1,16 @@
 """`python -m bench codegen`: can the backend emit code the search can win with?
 
 Times float32 matmul 1024^3 and the ResNet-18 conv2d+relu layer three ways — the naive schedule, a
-hand-written schedule (a step list: packing, multi-level tiling, vectorize, unroll, parallel) and the
-library (NumPy/OpenBLAS, PyTorch CPU). Our programs are timed by the tuner's isolated runner
-(`RUNNER_TIMING`: median of 3 repeats of >= 200 ms, the protocol of bench.common.measure, which times
-the library in this process); the two are timed in alternating pairs (bench.common.compare) and each row
-reports GFLOP/s, the ratio of the medians and the median of the per-pair ratios, and a fraction of the
-measured FMA peak. The runner checks every output against the NumPy reference: a wrong program fails its
-pairs and has no ratio. `--threads N`: the kernels are compiled for `llvm -num-threads=N`, NumPy's BLAS and
-PyTorch are limited to N. Also reports the median build time of tiled matmul candidates (it bounds trials
-per minute).
+hand-written schedule (a step list: packing, multi-level tiling, vectorize, unroll, parallel) and the library
+(NumPy/OpenBLAS, PyTorch CPU) — and the float math the code generator writes out as vector polynomials (exp,
+tanh, GELU's erf, sigmoid over 2^20 floats, parallel and vectorised) against PyTorch's. Our programs are timed
+by the tuner's isolated runner (`RUNNER_TIMING`: median of 3 repeats of >= 200 ms, the protocol of
+bench.common.measure, which times the library in this process); the two are timed in alternating pairs
+(bench.common.compare) and each row reports GFLOP/s, the ratio of the medians and the median of the per-pair
+ratios, and a fraction of the measured FMA peak. The runner checks every output against the NumPy reference: a
+wrong program fails its pairs and has no ratio. `--threads N`: the kernels are compiled for `llvm
+-num-threads=N`, NumPy's BLAS and PyTorch are limited to N. Also reports the median build time of tiled matmul
+candidates (it bounds trials per minute).
 """
 from __future__ import annotations
 
@@ -70,6 +71,17 @@ def conv_relu_schedule(dag, f1: int = 2, f2: int = 8, y1: int = 28, y2: int = 2,
     s = s.reorder(c, [0, 1, 3, 5, 7, 9, 10, 8, 2, 4, 6]).unroll(c, 8).unroll(c, 9).vectorize(c, 10)
     p = s.stage_id("pad_temp")
     return s.split(p, 3, [8]).fuse(p, [0, 1, 2]).parallel(p, 0).vectorize(p, 2)
+
+
+UNARY_OPS = ("exp", "tanh", "gelu", "sigmoid")     # math the code generator emits as vector polynomials
+
+
+def unary_schedule(dag):
+    """An elementwise op over NCHW: outer loops fused and parallel, the row split into 16-lane vectors."""
+    from tensortune.schedule.state import State
+    s = State(dag)
+    out = s.stages[-1].name
+    return s.split(out, 3, [16]).fuse(out, [0, 1, 2, 3]).parallel(out, 0).vectorize(out, 1)
 
 
 def main(argv: list[str]) -> int:
@@ -151,6 +163,17 @@ def run_all(args, torch) -> int:
         library_row(conv, "torch conv2d+relu (ResNet-18 layer)", "torch", got)
     if not args.skip_naive:
         run(conv, "naive conv2d+relu", State(conv.dag), conv_fn, "torch", pairs=1)
+
+    # float math the code generator writes out itself (exp, tanh, GELU's erf, sigmoid): 2^20 floats
+    if torch is not None:
+        for op in UNARY_OPS:
+            un = make_task(make_dag("elementwise", 1, 64, 128, 128, op=op), target)
+            x = torch.from_numpy(un.dag.random_inputs()[0])
+            fn = {"exp": torch.exp, "tanh": torch.tanh, "gelu": torch.nn.functional.gelu, "sigmoid": torch.sigmoid}[op]
+            got = run(un, f"{op}, 2^20 floats", unary_schedule(un.dag), lambda fn=fn, x=x: fn(x), "torch", args.pairs)
+            rows[-1]["gflops"] = rows[-1]["peak_frac"] = None          # not FLOP-bound: the ratio is the figure
+            library_row(un, f"torch {op}", "torch", got)
+            rows[-1]["gflops"] = rows[-1]["peak_frac"] = None
 
     # build-time distribution of tiled matmul candidates (what bounds trials per minute)
     variants = [matmul_schedule(mm.dag, ib, jb, kb, ri, rj).steps_json()
