@@ -50,6 +50,8 @@ WORKLOADS = {
     # channels, where NCHW's is the 56 columns, which no whole number of 16-float vectors covers
     "conv2d_nhwc_relu": ("conv2d_relu", (1, 56, 56, 64, 64, 3, 3, 1, 1, False, "float32", "NHWC"), "torch"),
     "depthwise_conv2d": ("depthwise_conv2d", (1, 112, 112, 32, 3, 1, 1), "torch"),
+    # BERT-base's attention softmax (12 heads x 128 queries, over 128 keys): bound by exp, not FMAs
+    "softmax": ("softmax", (1536, 128), "torch"),
 }
 
 
@@ -66,6 +68,9 @@ def library_fn(key: str, dag, threads: int) -> tuple[str, object]:
     torch = torch_threads(threads)
     if torch is None:
         return "torch", None
+    if key == "softmax":
+        (x,) = (torch.from_numpy(v) for v in inputs)
+        return "torch", lambda: torch.softmax(x, dim=-1)
     x, w = (torch.from_numpy(v) for v in inputs)
     if key == "conv2d_relu":
         return "torch", lambda: torch.relu(torch.nn.functional.conv2d(x, w, padding=1))
