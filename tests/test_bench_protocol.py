@@ -323,7 +323,7 @@ def test_space_and_tune_benches_refuse_bad_params_in_one_line(capsys):
     from bench.space import main
     assert main(["--workloads", "matmul,resnet"]) == 2
     assert capsys.readouterr().err.strip() == ("error: --workloads resnet: not one of matmul, matmul_bias_relu, "
-                                               "conv2d_relu, conv2d_nhwc_relu, depthwise_conv2d")
+                                               "conv2d_relu, conv2d_nhwc_relu, depthwise_conv2d, softmax")
     assert main(["--params", "max_vectorize_size=64", "vector_width=8"]) == 2
     assert (capsys.readouterr().err.strip()
             == "error: --params 'vector_width=8': SearchParams has no field 'vector_width'")
