@@ -11,9 +11,10 @@ object code, 10-200 KB), DaskMeasurer the build's future, which keeps the artifa
 for as long as the future is held. So the cache is bounded (`size` entries, least recently used
 evicted) and keyed by the task's JSON and the program's steps: the exact inputs of a build.
 
-Only a build that can be used again goes in: a measurer puts a build that succeeded (ProgramMeasurer)
-or a future that finished (DaskMeasurer; a cancelled or lost future is skipped on the way out, so a
-cluster that restarted builds anew).
+Only a build that succeeded is used again: ProgramMeasurer keeps a BuildResult with an artifact;
+DaskMeasurer keeps a future that finished (its result stays on the worker) and drops it when the
+program's result comes back with one of BUILD_ERRORS, or when the future was cancelled or lost since (a
+cluster that restarted builds anew). A failed build is attempted again: a timeout may be the machine's.
 """
 from __future__ import annotations
 
@@ -21,9 +22,14 @@ import threading
 from collections import OrderedDict
 from typing import Generic, TypeVar
 
+from tensortune.codegen.timing import ErrorCode
+
 Build = TypeVar("Build")
 
 RECENT_BUILDS = 256      # four rounds of 64: the re-timing of a batch comes right after it
+# a program's result with one of these codes came from its build, not its timing
+BUILD_ERRORS = frozenset({ErrorCode.INSTANTIATION_ERROR, ErrorCode.COMPILE_HOST, ErrorCode.COMPILE_DEVICE,
+                          ErrorCode.BUILD_TIMEOUT})
 
 
 class RecentBuilds(Generic[Build]):

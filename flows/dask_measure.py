@@ -37,7 +37,7 @@ from distributed import Client, Future, wait
 from distributed.client import ClosedClientError
 
 from tensortune.codegen.measure import BuildResult, LocalBuilder, LocalRunner, MeasureResult
-from tensortune.codegen.recent_builds import RecentBuilds
+from tensortune.codegen.recent_builds import BUILD_ERRORS, RecentBuilds
 from tensortune.codegen.timing import ErrorCode, TimingConfig
 from tensortune.flows.dask_cluster import ClusterError, build_resource, measure_resource, require_resource, workers_with
 from tensortune.flows.measure_targets import measure_node_targets, resolve_measure_target
@@ -200,6 +200,9 @@ class DaskMeasurer:
             stats.run_s += time.perf_counter() - t1
 
         results = self._restartable(task, run, len(steps_list), deadline, [resource, builder], stats)
+        for steps, r in zip(steps_list, results):
+            if r.error_code in BUILD_ERRORS:           # a failed build (a timeout may pass) is tried again
+                self.recent.discard(tj, steps)
         stats.lost = sum(r.error_code == ErrorCode.UNKNOWN_ERROR and r.error_msg.startswith("dask:")
                          for r in results)
         self.stats = stats

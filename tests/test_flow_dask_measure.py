@@ -71,14 +71,17 @@ def test_a_program_listed_twice_is_built_once_and_timed_twice(cluster, task):
 
 
 def test_a_program_timed_again_in_a_later_call_is_timed_from_its_first_build(cluster, task):
+    # and a program whose build failed is built again
     good = State(task.dag).split("C", 1, [16]).vectorize("C", 2).steps_json()
+    bad = '[["SP", 99, 0, 48, [4], 1]]'
     measurer = DaskMeasurer(cluster, timing=TIMING)
     with get_task_stream(client=cluster) as stream:
-        first = measurer.measure(task, [good])
-        again = measurer.measure(task, [good, good])
-    assert [r.ok for r in first + again] == [True, True, True]
+        first = measurer.measure(task, [good, bad])
+        again = measurer.measure(task, [good, good, bad])
+    assert [r.ok for r in first + again] == [True, False, True, True, False]
     keys = [str(t["key"]) for t in stream.data]
-    assert sum(k.startswith("build-") for k in keys) == 1 and sum(k.startswith("run-") for k in keys) == 3
+    # builds: good once, bad in each call; a run per entry (a failed build's only passes its error on)
+    assert sum(k.startswith("build-") for k in keys) == 3 and sum(k.startswith("run-") for k in keys) == 5
 
 
 def test_a_crashing_kernel_costs_one_record_not_a_worker(cluster, task):
