@@ -6,6 +6,7 @@ first, so a tuned task never ends slower than its default.
 from __future__ import annotations
 
 from tensortune.schedule.state import State
+from tensortune.schedule.winograd_schedule import winograd_nhwc_schedule
 from tensortune.tasks.compute_dag import ComputeDAG
 
 VECTOR_LANES = 16
@@ -21,8 +22,12 @@ def default_schedule(dag: ComputeDAG) -> State:
     `tile_size`); every other root stage runs its outer loops in parallel and its innermost spatial
     loop vectorised. On ResNet-50's convolutions this runs 2-3x faster than a 4 x 16 tile with only
     the row loop unrolled. Stages indexed into constant matrices (Winograd's transforms) unroll those
-    axes inside the vector loop's tile, so their select chains fold.
+    axes inside the vector loop's tile, so their select chains fold. An NHWC Winograd conv gets its own
+    fused schedule instead (schedule.winograd_schedule: the transforms per block of tiles, in cache).
     """
+    fused = winograd_nhwc_schedule(dag)
+    if fused is not None:
+        return fused
     s = State(dag)
     an = dag.analysis
     outputs = {t.name for t in dag.outputs}

@@ -163,6 +163,43 @@ def test_nhwc_default_schedule_and_sampled_programs_match_direct_conv(shape, m):
         assert np.all(np.isfinite(out)) and err <= TOL[m] * scale, f"error {err:.3g}\nsteps: {state.steps_json()}"
 
 
+@pytest.mark.parametrize("m", winograd.TILE_SIZES)
+@pytest.mark.parametrize("n,h,w,ci,co,relu", [(1, 56, 56, 64, 64, True), (1, 14, 14, 256, 256, True),
+                                             (2, 9, 7, 16, 32, False), (1, 13, 11, 32, 16, True)])
+def test_nhwc_default_schedule_fuses_the_transforms_per_block(n, h, w, ci, co, relu, m):
+    """The NHWC default (schedule.winograd_schedule): the input transform computed inside the batched
+    product's block, the product inside the inverse's, the inverse inside the output's parallel
+    loop; a block is a row of tiles where there are as many tiles as output channels, else all tiles
+    and a slice of the channels. Correct on random inputs against the float64 direct conv, ragged
+    tiles and batch 2 included."""
+    from tensortune.schedule.winograd_schedule import winograd_nhwc_schedule
+    dag = make_dag("conv2d_winograd", n, h, w, ci, co, 1, m, relu, "NHWC")
+    state = default_schedule(dag)
+    assert state.steps_json() == winograd_nhwc_schedule(dag).steps_json()
+    out = dag.outputs[0].name
+    attach = {st.name: (st.compute_at, st.attach[0] if st.attach else None) for st in state.stages}
+    assert attach["data_pack"] == ("iter", "bgemm") and attach["bgemm"] == ("iter", "inverse")
+    assert attach["inverse"] == ("iter", out) and attach["data_pad"][0] == "inline"
+    nh, nw, tiles = winograd.output_tiles(n, h, w, m)
+    parallel = state.stage_by_name(out).iters[0]
+    assert parallel.annotation == "parallel"
+    kt = 32 if co % 32 == 0 else 16          # the register tile's channels: two vectors where they fit
+    assert parallel.known_extent == (n * nh if tiles >= co else n * (co // max(kt, co // 8)))
+    x, g = _inputs(n, ci, h, w, co, 3)
+    ref = _direct(n, ci, h, w, co, 1, relu, 3).transpose(0, 2, 3, 1)
+    got = np.full(ref.shape, np.nan, np.float32)
+    LLVMKernel(build(state))(np.ascontiguousarray(x.transpose(0, 2, 3, 1)),
+                             winograd.transform_weight_hwio(g.transpose(2, 3, 1, 0), m), got)
+    assert float(np.max(np.abs(got - ref))) <= TOL[m] * float(np.max(np.abs(ref)))
+
+
+def test_the_nchw_form_and_fractional_vectors_keep_the_generic_default():
+    from tensortune.schedule.winograd_schedule import winograd_nhwc_schedule
+    assert winograd_nhwc_schedule(make_dag("conv2d_winograd", 1, 14, 14, 32, 32, 1, 2)) is None
+    assert winograd_nhwc_schedule(make_dag("conv2d_winograd", 1, 14, 14, 24, 32, 1, 2, False, "NHWC")) is None
+    assert winograd_nhwc_schedule(make_dag("conv2d", 1, 14, 14, 32, 32, 3, 3, 1, 1)) is None
+
+
 def test_batch_two_and_ragged_tiles():
     """Batch > 1 (tile index p runs over images) and outputs not divisible by m (the last tile is cut)."""
     for m in winograd.TILE_SIZES:
