@@ -9,6 +9,12 @@ conv's 0.55; the search's best programs ran 0.43-0.49 ms, no faster than ONNX Ru
 (0.45). Fused, the whole conv ran 0.30 ms (28² x 128: 0.33 against 0.51 root by root; 14² x 256:
 0.38 against 0.59; a scratch sweep of this file's parameters, outputs identical).
 
+The padding is inlined into the input transform, except where one tile covers a whole row or
+column of the output (images of one or two pixels, as a 32² ResNet-18 has in its last layers):
+there the padded input stays a pass of its own, because the transform with the padding inlined
+compiled to tens of millions of LLVM instructions for F(4) (ResNet-18 at 32²'s 2x2 layer ran the
+compiler out of memory; kept apart it builds in 0.3 s).
+
 The nest, per parallel block of output rows (`rows` rows of m x m tiles) and output channels (`kc`):
 
     output[b, y, x, k]         (the fused epilogue: bias, residual, relu inlined; the reindex too)
@@ -66,10 +72,13 @@ def winograd_nhwc_schedule(dag: ComputeDAG, rows: int | None = None, kc: int | N
         kc = co
 
     s = State(dag)
-    keep = {pack.name, bgemm.name, inverse.name, out.name}
+    pad = named.get("data_pad")
+    if pad is not None and nh >= 2 and nw >= 2:
+        pad = None          # inlined into the input transform (below: kept where one tile is all there is)
+    keep = {pack.name, bgemm.name, inverse.name, out.name} | ({pad.name} if pad is not None else set())
     for t in dag.tensors:
         if not t.is_placeholder and t.name not in keep:
-            s = s.compute_inline(t.name)          # the padding, the NHWC reindex, bias / residual / relu
+            s = s.compute_inline(t.name)          # the NHWC reindex, bias / residual / relu
     o = out.name
     # output (b, y, x, k) -> parallel (b, y.0, k.0), then y.1, x, k.1, k.2 (vector)
     s = s.split(o, 1, [min(m * rows, oh)]).split(o, 4, [kc // LANES, LANES])
@@ -87,4 +96,7 @@ def winograd_nhwc_schedule(dag: ComputeDAG, rows: int | None = None, kc: int | N
     # data_pack (eps, nu, p, c) -> p, c.0, eps, nu, c.1 (vector)
     s = s.compute_at(pack.name, bgemm.name, 0)
     s = s.split(pack.name, 3, [LANES]).reorder(pack.name, [2, 3, 0, 1, 4])
-    return s.unroll(pack.name, 2).unroll(pack.name, 3).vectorize(pack.name, 4)
+    s = s.unroll(pack.name, 2).unroll(pack.name, 3).vectorize(pack.name, 4)
+    if pad is not None:     # (n, y, x, c) -> parallel (n, y), x, c.0, c.1 (vector)
+        s = s.split(pad.name, 3, [LANES]).fuse(pad.name, [0, 1]).parallel(pad.name, 0).vectorize(pad.name, 3)
+    return s
