@@ -121,9 +121,10 @@ def test_a_hold_ends_with_its_block_or_its_expiry(tmp_path):
     assert stats.temporaries_removed == 1 and not path.exists()   # ...and is cleaned up
 
 
-def _writer(root: str, number: int) -> None:
+def _writer(root: str, number: int, reading) -> None:
     store = RecordStore(root, auto_compact=4, durable=False)         # merges race the reader's holds
     rng = np.random.default_rng(number)
+    reading.wait(timeout=120)     # once the reader reads: a reader process starting late saw only the end
     for index in range(BATCHES):
         store.append(synthetic_batch(rng, BATCH, flow_run_id=f"writer-{number}", round=index))
         time.sleep(0.01)
@@ -139,7 +140,7 @@ def _compactor(root: str, stop, out) -> None:
     out.put(("compactor", merged, held))
 
 
-def _raw_reader(root: str, stop, out) -> None:
+def _raw_reader(root: str, stop, out, reading) -> None:
     store = RecordStore(root)
     reads, errors, duplicated, lost = 0, [], 0, 0
     previous: set = set()
@@ -151,6 +152,7 @@ def _raw_reader(root: str, stop, out) -> None:
             errors.append(f"{type(exc).__name__}: {exc}"[:300])
             continue
         reads += 1
+        reading.set()
         duplicated += int(ids.duplicated().sum())
         now = set(ids)
         lost += len(previous - now)                                  # a row once seen must stay seen
@@ -164,10 +166,10 @@ def test_writers_compaction_and_a_raw_pandas_reader(tmp_path):
     first = synthetic_batch(np.random.default_rng(99), BATCH, flow_run_id="before")
     RecordStore(root, durable=False).append(first)                  # the reader's first read has rows
     context = multiprocessing.get_context("spawn")
-    stop, out = context.Event(), context.Queue()
-    writers = [context.Process(target=_writer, args=(root, n)) for n in range(WRITERS)]
+    stop, out, reading = context.Event(), context.Queue(), context.Event()
+    writers = [context.Process(target=_writer, args=(root, n, reading)) for n in range(WRITERS)]
     others = [context.Process(target=_compactor, args=(root, stop, out)),
-              context.Process(target=_raw_reader, args=(root, stop, out))]
+              context.Process(target=_raw_reader, args=(root, stop, out, reading))]
     for process in others + writers:
         process.start()
     for process in writers:
