@@ -855,6 +855,15 @@ class LLVMCodegen:
         x P(x^2) / Q(x^2); x itself below 0.0004, where that is tanh to the last bit. Within 3.5e-7
         of tanh (6 ulp near +-1; tests/test_codegen_math.py), NaN for NaN; libm's is a call per lane
         (the tanh-approximated GELU of GPT-2's exports runs it on every activation)."""
+        y = self._odd_rational(a, 7.90531110763549805, _TANH_P, _TANH_Q, ty, st)
+        tiny = self._raw(st, "fcmp olt", self._intrinsic("fabs", [a], ty, st), Val(ty, const=0.0004), ty)
+        keep = self._raw(st, "fcmp uno", a, a, ty)
+        keep = self._raw(st, "or", Val("i1", tiny.lanes, tiny.ref), Val("i1", keep.lanes, keep.ref), "i1")
+        return self._select_vals(keep, a, y, ty, st)
+
+    def _odd_rational(self, a: Val, bound: float, p: tuple[float, ...], q: tuple[float, ...], ty: str, st) -> Val:
+        """x P(x^2) / Q(x^2) for x = a clamped to [-bound, bound] (the coefficients highest degree first):
+        the form of Eigen's float erf and tanh. A NaN input clamps to a bound (minnum/maxnum)."""
         def mul(x: Val, y: Val) -> Val:
             return self._raw(st, "fmul", x, y, ty, "contract ")
 
@@ -863,15 +872,10 @@ class LLVMCodegen:
             for c in coefficients[1:]:
                 acc = self._raw(st, "fadd", mul(acc, x2), Val(ty, const=c), ty, "contract ")
             return acc
-        clamp = 7.90531110763549805
-        x = self._intrinsic("maxnum", [self._intrinsic("minnum", [a, Val(ty, const=clamp)], ty, st),
-                                       Val(ty, const=-clamp)], ty, st)
+        x = self._intrinsic("maxnum", [self._intrinsic("minnum", [a, Val(ty, const=bound)], ty, st),
+                                       Val(ty, const=-bound)], ty, st)
         x2 = mul(x, x)
-        y = self._raw(st, "fdiv", mul(x, poly(_TANH_P, x2)), poly(_TANH_Q, x2), ty)
-        tiny = self._raw(st, "fcmp olt", self._intrinsic("fabs", [a], ty, st), Val(ty, const=0.0004), ty)
-        keep = self._raw(st, "fcmp uno", a, a, ty)
-        keep = self._raw(st, "or", Val("i1", tiny.lanes, tiny.ref), Val("i1", keep.lanes, keep.ref), "i1")
-        return self._select_vals(keep, a, y, ty, st)
+        return self._raw(st, "fdiv", mul(x, poly(p, x2)), poly(q, x2), ty)
 
     def _bitcast(self, v: Val, ty: str, st) -> Val:
         out = st.fn.tmp("bits")
@@ -886,18 +890,7 @@ class LLVMCodegen:
         then x * P(x^2) / Q(x^2), clamped to [-1, 1]; within 4e-7 of erf everywhere (tests/test_codegen_math.py). libm's
         erff is a call per vector lane: in BERT's GELU layer (393,216 values) it took more time than
         the matrix product it follows. A NaN input gives +-1, not NaN (the clamp's minnum/maxnum)."""
-        def mul(x: Val, y: Val) -> Val:
-            return self._raw(st, "fmul", x, y, ty, "contract ")
-
-        def poly(coefficients: tuple[float, ...], x2: Val) -> Val:
-            acc = Val(ty, const=coefficients[0])
-            for c in coefficients[1:]:
-                acc = self._raw(st, "fadd", mul(acc, x2), Val(ty, const=c), ty, "contract ")
-            return acc
-        x = self._intrinsic("maxnum", [self._intrinsic("minnum", [a, Val(ty, const=4.0)], ty, st),
-                                       Val(ty, const=-4.0)], ty, st)
-        x2 = mul(x, x)
-        y = self._raw(st, "fdiv", mul(x, poly(_ERF_P, x2)), poly(_ERF_Q, x2), ty)
+        y = self._odd_rational(a, 4.0, _ERF_P, _ERF_Q, ty, st)
         # the rational function overshoots 1 by an ulp near the clamp; erf never does
         return self._intrinsic("maxnum", [self._intrinsic("minnum", [y, Val(ty, const=1.0)], ty, st),
                                           Val(ty, const=-1.0)], ty, st)
