@@ -846,7 +846,7 @@ class LLVMCodegen:
         for k in (half, self._raw(st, "sub", mi, half, "i32")):
             bits = self._raw(st, "shl", self._raw(st, "add", k, Val("i32", const=127), "i32"), Val("i32", const=23),
                              "i32")
-            y = self._raw(st, "fmul", y, self._bitcast(bits, ty, st), ty)
+            y = self._raw(st, "fmul", y, self._convert("bitcast", bits, "i32", ty, st, "bits"), ty)
         nan = self._raw(st, "fcmp uno", a, a, ty)
         return self._select_vals(Val("i1", nan.lanes, nan.ref), a, y, ty, st)
 
@@ -877,13 +877,14 @@ class LLVMCodegen:
         x2 = mul(x, x)
         return self._raw(st, "fdiv", mul(x, poly(p, x2)), poly(q, x2), ty)
 
-    def _bitcast(self, v: Val, ty: str, st) -> Val:
-        out = st.fn.tmp("bits")
+    def _convert(self, op: str, v: Val, sty: str, dty: str, st, prefix: str = "cv") -> Val:
+        """One conversion instruction (sext, fptosi, bitcast, ...) from sty to dty, lane for lane."""
+        out = st.fn.tmp(prefix)
         if v.lanes == 1:
-            st.fn.emit(f"{out} = bitcast {v.ty} {self._scalar(v, st)} to {ty}")
+            st.fn.emit(f"{out} = {op} {sty} {self._scalar(v, st)} to {dty}")
         else:
-            st.fn.emit(f"{out} = bitcast <{v.lanes} x {v.ty}> {self._vec(v, st)} to <{v.lanes} x {ty}>")
-        return Val(ty, v.lanes, out)
+            st.fn.emit(f"{out} = {op} <{v.lanes} x {sty}> {self._vec(v, st)} to <{v.lanes} x {dty}>")
+        return Val(dty, v.lanes, out)
 
     def _erf_float(self, a: Val, ty: str, st) -> Val:
         """float erf as Eigen and XLA compute it: x clamped to [-4, 4] (erf is +-1 in float beyond),
@@ -970,12 +971,7 @@ class LLVMCodegen:
                 op = "zext" if src in ("uint8", "bool") else "sext"
             else:
                 op = "trunc"
-        out = st.fn.tmp("cv")
-        if v.lanes == 1:
-            st.fn.emit(f"{out} = {op} {sty} {v.ref} to {dty}")
-        else:
-            st.fn.emit(f"{out} = {op} <{v.lanes} x {sty}> {self._vec(v, st)} to <{v.lanes} x {dty}>")
-        return Val(dty, v.lanes, out)
+        return self._convert(op, v, sty, dty, st)
 
 
 # exp(r) = 1 + r + r^2 P(r) on [-ln2/2, ln2/2], highest degree first (Cephes' expf)
