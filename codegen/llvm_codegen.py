@@ -837,10 +837,8 @@ class LLVMCodegen:
         m = self._intrinsic("floor", [fma(x, const(1.4426950408889634), const(0.5))], ty, st)
         r = fma(m, const(-0.693359375), x)            # ln2 in two parts: m * 0.693359375 is exact
         r = fma(m, const(2.12194440e-4), r)
-        y = const(_EXP_P[0])
-        for c in _EXP_P[1:]:
-            y = fma(y, r, const(c))
-        y = fma(y, self._raw(st, "fmul", r, r, ty, "contract "), self._raw(st, "fadd", r, const(1.0), ty, "contract "))
+        r2 = self._raw(st, "fmul", r, r, ty, "contract ")
+        y = fma(self._horner(_EXP_P, r, ty, st), r2, self._raw(st, "fadd", r, const(1.0), ty, "contract "))
         mi = self._cast(m, "float32", "int32", st)
         half = self._raw(st, "ashr", mi, Val("i32", const=1), "i32")
         for k in (half, self._raw(st, "sub", mi, half, "i32")):
@@ -866,16 +864,18 @@ class LLVMCodegen:
         the form of Eigen's float erf and tanh. A NaN input clamps to a bound (minnum/maxnum)."""
         def mul(x: Val, y: Val) -> Val:
             return self._raw(st, "fmul", x, y, ty, "contract ")
-
-        def poly(coefficients: tuple[float, ...], x2: Val) -> Val:
-            acc = Val(ty, const=coefficients[0])
-            for c in coefficients[1:]:
-                acc = self._raw(st, "fadd", mul(acc, x2), Val(ty, const=c), ty, "contract ")
-            return acc
         x = self._intrinsic("maxnum", [self._intrinsic("minnum", [a, Val(ty, const=bound)], ty, st),
                                        Val(ty, const=-bound)], ty, st)
         x2 = mul(x, x)
-        return self._raw(st, "fdiv", mul(x, poly(p, x2)), poly(q, x2), ty)
+        return self._raw(st, "fdiv", mul(x, self._horner(p, x2, ty, st)), self._horner(q, x2, ty, st), ty)
+
+    def _horner(self, coefficients: tuple[float, ...], x: Val, ty: str, st) -> Val:
+        """The polynomial with `coefficients` (highest degree first) at x, one multiply-add a degree."""
+        acc = Val(ty, const=coefficients[0])
+        for c in coefficients[1:]:
+            acc = self._raw(st, "fadd", self._raw(st, "fmul", acc, x, ty, "contract "), Val(ty, const=c), ty,
+                            "contract ")
+        return acc
 
     def _convert(self, op: str, v: Val, sty: str, dty: str, st, prefix: str = "cv") -> Val:
         """One conversion instruction (sext, fptosi, bitcast, ...) from sty to dty, lane for lane."""

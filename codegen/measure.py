@@ -175,8 +175,9 @@ class ProgramMeasurer:
         """A program listed more than once, or built by one of the last calls (timed again:
         codegen.confirmation), is built once."""
         tj = task.to_json()
-        built = {s: b for s in dict.fromkeys(steps_list) if (b := self.recent.get(tj, s)) is not None}
-        new = [s for s in dict.fromkeys(steps_list) if s not in built]
+        unique = list(dict.fromkeys(steps_list))
+        built = {s: b for s in unique if (b := self.recent.get(tj, s)) is not None}
+        new = [s for s in unique if s not in built]
         for s, b in zip(new, self.builder.build(task, new) if new else []):
             built[s] = b
             if b.artifact is not None:
