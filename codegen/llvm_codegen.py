@@ -546,9 +546,7 @@ class LLVMCodegen:
             return self._load(e, st)
         if isinstance(e, te.BinOp):
             if te.is_float(e.dtype) and e.op == "add":
-                fma = self._try_fma(e, st)
-                if fma is not None:
-                    return fma
+                return self._float_add(e, st)
             nonneg = e.op in ("floordiv", "floormod") and const_bounds(e.a, st.ranges)[0] >= 0
             return self._binop(e.op, self._expr(e.a, st), self._expr(e.b, st), e.dtype, st, nonneg)
         if isinstance(e, te.Cmp):
@@ -609,30 +607,51 @@ class LLVMCodegen:
         st.fn.emit(f"{out} = trunc {t8} {v.ref} to {t1}")
         return Val("i1", v.lanes, out)
 
-    def _try_fma(self, e: te.BinOp, st) -> Val | None:
+    def _float_add(self, e: te.BinOp, st) -> Val:
+        """a*b + c as one fmuladd where a side of the add is a product with a non-constant factor, else
+        a plain fadd. Every operand is emitted once: trying the fusion by emitting the operands and, on
+        failure, emitting them again from the top doubled the code at each level of an add chain whose
+        terms fold to constant products (a Winograd transform of a zero-padded tile: 2^n copies, tens of
+        millions of lines for a 6x6 tile)."""
+        emitted: dict[int, Val] = {}
+
+        def val(x: Expr) -> Val:
+            if id(x) not in emitted:
+                emitted[id(x)] = self._expr(x, st)
+            return emitted[id(x)]
+
         for mul, other in ((e.a, e.b), (e.b, e.a)):
             if isinstance(mul, te.BinOp) and mul.op == "mul":
-                a, b, c = self._expr(mul.a, st), self._expr(mul.b, st), self._expr(other, st)
-                if a.is_const and b.is_const:
-                    return None
-                lanes = max(a.lanes, b.lanes, c.lanes)
-                ty = a.ty
-                if lanes == 1:
-                    if a.is_const or b.is_const or c.is_const:
-                        return self._binop("add", self._binop("mul", a, b, e.dtype, st), c, e.dtype, st)
-                    name = f"llvm.fmuladd.{self._suffix(ty)}"
-                    self.module.declare(name, f"declare {ty} @{name}({ty}, {ty}, {ty})")
-                    out = st.fn.tmp("fma")
-                    st.fn.emit(f"{out} = call contract {ty} @{name}({ty} {a.ref}, {ty} {b.ref}, {ty} {c.ref})")
-                    return Val(ty, 1, out)
-                vty = f"<{lanes} x {ty}>"
-                name = f"llvm.fmuladd.v{lanes}{self._suffix(ty)}"
-                self.module.declare(name, f"declare {vty} @{name}({vty}, {vty}, {vty})")
-                out = st.fn.tmp("fma")
-                st.fn.emit(f"{out} = call contract {vty} @{name}({vty} {self._vec(a, st, lanes)}, "
-                           f"{vty} {self._vec(b, st, lanes)}, {vty} {self._vec(c, st, lanes)})")
-                return Val(ty, lanes, out)
-        return None
+                a, b = val(mul.a), val(mul.b)
+                if not (a.is_const and b.is_const):
+                    return self._fma(a, b, val(other), e.dtype, st)
+
+        def side(x: Expr) -> Val:      # a product of constants, from the factors already emitted
+            if isinstance(x, te.BinOp) and x.op == "mul" and id(x.a) in emitted:
+                return self._binop("mul", emitted[id(x.a)], emitted[id(x.b)], x.dtype, st)
+            return val(x)
+        return self._binop("add", side(e.a), side(e.b), e.dtype, st)
+
+    def _fma(self, a: Val, b: Val, c: Val, dtype: str, st) -> Val:
+        """a*b + c: llvm.fmuladd (which LLVM contracts to an FMA instruction), or mul and add where a
+        scalar operand is a constant, for LLVM to fold."""
+        lanes = max(a.lanes, b.lanes, c.lanes)
+        ty = a.ty
+        if lanes == 1:
+            if a.is_const or b.is_const or c.is_const:
+                return self._binop("add", self._binop("mul", a, b, dtype, st), c, dtype, st)
+            name = f"llvm.fmuladd.{self._suffix(ty)}"
+            self.module.declare(name, f"declare {ty} @{name}({ty}, {ty}, {ty})")
+            out = st.fn.tmp("fma")
+            st.fn.emit(f"{out} = call contract {ty} @{name}({ty} {a.ref}, {ty} {b.ref}, {ty} {c.ref})")
+            return Val(ty, 1, out)
+        vty = f"<{lanes} x {ty}>"
+        name = f"llvm.fmuladd.v{lanes}{self._suffix(ty)}"
+        self.module.declare(name, f"declare {vty} @{name}({vty}, {vty}, {vty})")
+        out = st.fn.tmp("fma")
+        st.fn.emit(f"{out} = call contract {vty} @{name}({vty} {self._vec(a, st, lanes)}, "
+                   f"{vty} {self._vec(b, st, lanes)}, {vty} {self._vec(c, st, lanes)})")
+        return Val(ty, lanes, out)
 
     def _raw(self, st, opcode: str, a: Val, b: Val, ty: str, flags: str = "") -> Val:
         lanes = max(a.lanes, b.lanes)

@@ -163,3 +163,36 @@ def test_annotation_vectorises_a_wide_register_tile_so_llvm_cannot_gather_it():
     assert wide.stages[wide.stage_id("C.local")].iters[-1].annotation == "vectorize"
     assert gathers(wide) == 0
     check_state(wide)
+
+
+@pytest.mark.parametrize("vector", [16, 1])
+def test_a_sum_of_products_that_fold_to_constants_is_emitted_once_per_term(vector):
+    """A Winograd input transform over a zero-padded tile is a sum of `pad_test(tile) ? x : 0` times a
+    constant, and where the tile is known (an unrolled or single-iteration loop) half the terms fold
+    to constant products. Each term must cost a bounded number of instructions: the fused
+    multiply-add used to emit the rest of the chain, fail on the constant product and emit it again,
+    2^n copies (a 2x2 image's F(4) transform ran the compiler out of memory). The sum is also checked
+    against NumPy on random inputs."""
+    from tensortune.tasks import te
+    from tensortune.tasks.compute_dag import ComputeDAG
+    n, terms = 64, 24
+    x = te.placeholder((terms, n), "float32", "x")
+
+    def body(z, j):
+        total = te.const(0.0, "float32")
+        for i in range(terms):        # term i is live for z = i % 2: a constant zero product otherwise
+            total = total + te.if_then_else(z == i % 2, x[i, j], te.const(0.0, "float32")) * (i + 1.5)
+        return total
+    y = te.compute((2, n), body, name="y")
+    state = State(ComputeDAG([x, y])).unroll("y", 0)
+    if vector > 1:
+        state = state.split("y", 1, [vector]).vectorize("y", 2)
+    target = parse_target("llvm")
+    ir = generate_llvm_ir(lower(state, target_kind="cpu"), target.cpu, target.features, target.num_threads)
+    assert ir.count("\n") < 60 * terms, f"{ir.count(chr(10))} lines of IR for {terms} terms"
+    xs = np.random.default_rng(0).standard_normal((terms, n)).astype(np.float32)
+    out = np.full((2, n), np.nan, np.float32)
+    LLVMKernel(build(state))(xs, out)
+    coef = np.arange(terms) + 1.5
+    want = np.stack([(coef[z::2, None] * xs[z::2].astype(np.float64)).sum(0) for z in (0, 1)])
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
