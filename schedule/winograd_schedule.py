@@ -9,11 +9,9 @@ conv's 0.55; the search's best programs ran 0.43-0.49 ms, no faster than ONNX Ru
 (0.45). Fused, the whole conv ran 0.30 ms (28² x 128: 0.33 against 0.51 root by root; 14² x 256:
 0.38 against 0.59; a scratch sweep of this file's parameters, outputs identical).
 
-The padding is inlined into the input transform, except where one tile covers a whole row or
-column of the output (images of one or two pixels, as a 32² ResNet-18 has in its last layers):
-there the padded input stays a pass of its own, because the transform with the padding inlined
-compiled to tens of millions of LLVM instructions for F(4) (ResNet-18 at 32²'s 2x2 layer ran the
-compiler out of memory; kept apart it builds in 0.3 s).
+The padding is inlined into the input transform: the transform reads the unpadded input, its
+out-of-image taps are zeros (on an image of one tile, where the tile is known, they fold to constant
+products, which the code generator emits once each).
 
 The nest, per parallel block of output rows (`rows` rows of m x m tiles) and output channels (`kc`):
 
@@ -72,10 +70,7 @@ def winograd_nhwc_schedule(dag: ComputeDAG, rows: int | None = None, kc: int | N
         kc = co
 
     s = State(dag)
-    pad = named.get("data_pad")
-    if pad is not None and nh >= 2 and nw >= 2:
-        pad = None          # inlined into the input transform (below: kept where one tile is all there is)
-    keep = {pack.name, bgemm.name, inverse.name, out.name} | ({pad.name} if pad is not None else set())
+    keep = {pack.name, bgemm.name, inverse.name, out.name}
     for t in dag.tensors:
         if not t.is_placeholder and t.name not in keep:
             s = s.compute_inline(t.name)          # the NHWC reindex, bias / residual / relu
@@ -97,6 +92,4 @@ def winograd_nhwc_schedule(dag: ComputeDAG, rows: int | None = None, kc: int | N
     s = s.compute_at(pack.name, bgemm.name, 0)
     s = s.split(pack.name, 3, [LANES]).reorder(pack.name, [2, 3, 0, 1, 4])
     s = s.unroll(pack.name, 2).unroll(pack.name, 3).vectorize(pack.name, 4)
-    if pad is not None:     # (n, y, x, c) -> parallel (n, y), x, c.0, c.1 (vector)
-        s = s.split(pad.name, 3, [LANES]).fuse(pad.name, [0, 1]).parallel(pad.name, 0).vectorize(pad.name, 3)
     return s

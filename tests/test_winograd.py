@@ -165,13 +165,14 @@ def test_nhwc_default_schedule_and_sampled_programs_match_direct_conv(shape, m):
 
 @pytest.mark.parametrize("m", winograd.TILE_SIZES)
 @pytest.mark.parametrize("n,h,w,ci,co,relu", [(1, 56, 56, 64, 64, True), (1, 14, 14, 256, 256, True),
-                                             (2, 9, 7, 16, 32, False), (1, 13, 11, 32, 16, True)])
+                                             (2, 9, 7, 16, 32, False), (1, 13, 11, 32, 16, True),
+                                             (1, 2, 2, 32, 32, True), (1, 1, 1, 16, 16, False)])
 def test_nhwc_default_schedule_fuses_the_transforms_per_block(n, h, w, ci, co, relu, m):
     """The NHWC default (schedule.winograd_schedule): the input transform computed inside the batched
     product's block, the product inside the inverse's, the inverse inside the output's parallel
     loop; a block is a row of tiles where there are as many tiles as output channels, else all tiles
     and a slice of the channels. Correct on random inputs against the float64 direct conv, ragged
-    tiles and batch 2 included."""
+    tiles, batch 2 and images of one tile (the padding inlined there too) included."""
     from tensortune.schedule.winograd_schedule import winograd_nhwc_schedule
     dag = make_dag("conv2d_winograd", n, h, w, ci, co, 1, m, relu, "NHWC")
     state = default_schedule(dag)
