@@ -454,45 +454,75 @@ def _unique_stage_name(state: "State", base: str) -> str:
 
 
 # Cache read/write and rfactor make new tensors, so a program replaying one gets ops, and an access
-# analysis of them, of its own. Most replays apply them to the very same stages (every sample of a
-# sketch starts from the DAG's own), so those share one result: per DAG, the last few rewrites.
+# analysis of them, of its own: for a DAG of large expressions (a Winograd F(4) transform) that is a
+# tenth of a second a rewrite, and a round replays thousands. What a rewrite does is a `Rewrite` of the
+# stage list, which depends on the stages' ops alone (rfactor: on the factored stage's loops too), and
+# every sample of a sketch replays it on the very same ops: they share one Rewrite and one analysis,
+# per DAG the last few.
 _REWRITES: "weakref.WeakKeyDictionary[ComputeDAG, OrderedDict]" = weakref.WeakKeyDictionary()
 _REWRITES_KEPT = 64
 
 
+@dataclass(frozen=True)
+class Rewrite:
+    """A cache_read / cache_write / rfactor as changes to a stage list, positions before the insert:
+    `ops` replace stages' ops and keep their loops (readers now loading the new tensor), `restart`
+    replace them with the new op's own loops, keeping the compute location (the rewritten tensor),
+    and `inserted` goes in at `insert_at` (the new cache or rfactor stage)."""
+    ops: dict[int, Tensor]
+    restart: dict[int, Tensor]
+    insert_at: int
+    inserted: Stage
+
+    def apply(self, state: "State", step: "Step") -> "State":
+        stages = list(state.stages)
+        for i, op in self.ops.items():
+            stages[i] = stages[i].replace(op=op)
+        for i, op in self.restart.items():
+            stages[i] = initial_stage(op).replace(compute_at=stages[i].compute_at, attach=stages[i].attach)
+        stages.insert(self.insert_at, self.inserted)
+        return state._derive(stages, step)
+
+
 def _rewrite_once(step: "CacheReadStep | CacheWriteStep | RfactorStep", state: "State") -> "State":
     memo = _REWRITES.setdefault(state.dag, OrderedDict())
-    key = (step, tuple(map(id, state.stages)))
+    key = step.rewrite_key(state)
     hit = memo.get(key)
     if hit is None:
-        done = step.rewrite(state)
-        # the entry holds the old stages, so no other object can take their ids while it lives, and
-        # no State: one refers to the DAG, which would then never leave this weak-keyed memo
-        hit = memo[key] = (state.stages, done.stages, done.analysis)
+        rewrite = step.rewrite(state)
+        new = rewrite.apply(state, step)
+        # the entry holds the old stages, so no other object can take the ids in its key while it
+        # lives, and no State: one refers to the DAG, which would then never leave this weak-keyed memo
+        memo[key] = (state.stages, rewrite, new.analysis)
         if len(memo) > _REWRITES_KEPT:
             memo.popitem(last=False)
-    else:
-        memo.move_to_end(key)
-    new = type(state)(state.dag, hit[1], state.steps + (step,))
+        return new
+    memo.move_to_end(key)
+    new = hit[1].apply(state, step)
     new._analysis = hit[2]
     return new
 
 
-def _redirect_loads(stages: list[Stage], replaced: dict[Tensor, Tensor]) -> None:
+def _op_ids(state: "State") -> tuple[int, ...]:
+    return tuple(id(s.op) for s in state.stages)
+
+
+def _redirect_loads(ops: list[Tensor], replaced: dict[Tensor, Tensor]) -> dict[int, Tensor]:
     """Point every later reader of a replaced op at its replacement, transitively (TVM's
-    ReplaceDataFlow): a consumer that kept loading the old op would no longer be its consumer."""
+    ReplaceDataFlow): a consumer that kept loading the old op would no longer be its consumer.
+    Returns the positions in `ops` whose op is replaced, and by what."""
     replaced = dict(replaced)
-    for i, st in enumerate(stages):
-        if st.op in replaced.values() or st.is_placeholder:
+    out: dict[int, Tensor] = {}
+    for i, op in enumerate(ops):
+        if op in replaced.values() or op.is_placeholder:
             continue
-        assert st.op.body is not None                # not a placeholder
-        if not any(isinstance(n, Load) and n.tensor in replaced for n in te.walk(st.op.body)):
+        assert op.body is not None                # not a placeholder
+        if not any(isinstance(n, Load) and n.tensor in replaced for n in te.walk(op.body)):
             continue
-        body = te.transform(st.op.body, lambda n: Load(replaced[n.tensor], n.indices)
+        body = te.transform(op.body, lambda n: Load(replaced[n.tensor], n.indices)
                             if isinstance(n, Load) and n.tensor in replaced else None)
-        new = Tensor(st.op.name, st.op.shape, st.op.dtype, st.op.axes, body, st.op.attrs)
-        replaced[st.op] = new
-        stages[i] = st.replace(op=new)
+        out[i] = replaced[op] = Tensor(op.name, op.shape, op.dtype, op.axes, body, op.attrs)
+    return out
 
 
 @dataclass(frozen=True)
@@ -506,7 +536,10 @@ class CacheReadStep(Step):
     def apply(self, state: "State") -> "State":
         return _rewrite_once(self, state)
 
-    def rewrite(self, state: "State") -> "State":
+    def rewrite_key(self, state: "State") -> tuple:
+        return self, _op_ids(state)
+
+    def rewrite(self, state: "State") -> Rewrite:
         stage = check_stage(state, self.stage_id, "cache_read")
         if not self.reader_stage_ids:
             raise IllegalStep("cache_read needs at least one reader stage")
@@ -517,17 +550,15 @@ class CacheReadStep(Step):
         old = stage.op
         name = _unique_stage_name(state, f"{old.name}.{self.scope_name}")
         cache = te.compute(old.shape, lambda *i: old[i], name=name)
-        stages = list(state.stages)
+        ops = [s.op for s in state.stages]
         replaced = {}
         for rid, r in zip(self.reader_stage_ids, readers):
             assert r.op.body is not None             # a reader computes
             body = te.transform(r.op.body, lambda n: Load(cache, n.indices)
                                 if isinstance(n, Load) and n.tensor is old else None)
-            replaced[r.op] = Tensor(r.op.name, r.op.shape, r.op.dtype, r.op.axes, body, r.op.attrs)
-            stages[rid] = r.replace(op=replaced[r.op])
-        _redirect_loads(stages, replaced)
-        stages.insert(self.stage_id + 1, initial_stage(cache, self.scope_name, "cache_read"))
-        return state._derive(stages, self)
+            replaced[r.op] = ops[rid] = Tensor(r.op.name, r.op.shape, r.op.dtype, r.op.axes, body, r.op.attrs)
+        changed = {rid: ops[rid] for rid in self.reader_stage_ids} | _redirect_loads(ops, replaced)
+        return Rewrite(changed, {}, self.stage_id + 1, initial_stage(cache, self.scope_name, "cache_read"))
 
     def to_json(self) -> list:
         return [self.code, self.stage_id, self.scope_name, list(self.reader_stage_ids)]
@@ -548,19 +579,23 @@ class CacheWriteStep(Step):
     def apply(self, state: "State") -> "State":
         return _rewrite_once(self, state)
 
-    def rewrite(self, state: "State") -> "State":
+    def rewrite_key(self, state: "State") -> tuple:
+        """The ops, once the stage is known to have nothing computed at it (which they do not say)."""
         stage = check_stage(state, self.stage_id, "cache_write")
         if _attached_to(state, stage.name):
             raise IllegalStep(f"cache_write of {stage.name} must come before stages are computed at it")
+        return self, _op_ids(state)
+
+    def rewrite(self, state: "State") -> Rewrite:
+        stage = check_stage(state, self.stage_id, "cache_write")
         old = stage.op
         local = fresh_copy(old, _unique_stage_name(state, f"{old.name}.{self.scope_name}"))
         axes = tuple(IterVar(a.name, a.extent, "spatial") for a in old.axes)
         out = Tensor(old.name, old.shape, old.dtype, axes, Load(local, axes), old.attrs)
-        stages = list(state.stages)
-        stages[self.stage_id] = initial_stage(out).replace(compute_at=stage.compute_at, attach=stage.attach)
-        _redirect_loads(stages, {old: out})
-        stages.insert(self.stage_id, initial_stage(local, self.scope_name, "cache_write"))
-        return state._derive(stages, self)
+        ops = [s.op for s in state.stages]
+        ops[self.stage_id] = out
+        return Rewrite(_redirect_loads(ops, {old: out}), {self.stage_id: out}, self.stage_id,
+                       initial_stage(local, self.scope_name, "cache_write"))
 
     def to_json(self) -> list:
         return [self.code, self.stage_id, self.scope_name]
@@ -582,7 +617,11 @@ class RfactorStep(Step):
     def apply(self, state: "State") -> "State":
         return _rewrite_once(self, state)
 
-    def rewrite(self, state: "State") -> "State":
+    def rewrite_key(self, state: "State") -> tuple:
+        """The stages themselves: the new ops follow the factored stage's loops, not its op alone."""
+        return self, tuple(map(id, state.stages))
+
+    def rewrite(self, state: "State") -> Rewrite:
         stage = check_stage(state, self.stage_id, "rfactor")
         it = check_iter(stage, self.iter_id, "rfactor")
         op = stage.op
@@ -627,11 +666,10 @@ class RfactorStep(Step):
         idx = list(out_axes[:self.factor_iter_id]) + [r] + list(out_axes[self.factor_iter_id:])
         out = Tensor(op.name, op.shape, op.dtype, out_axes,
                      te.Reduce(op.body.combiner, Load(rf, tuple(idx)), (r,)), op.attrs)
-        stages = list(state.stages)
-        stages[self.stage_id] = initial_stage(out).replace(compute_at=stage.compute_at, attach=stage.attach)
-        _redirect_loads(stages, {op: out})
-        stages.insert(self.stage_id, initial_stage(rf, origin="rfactor"))
-        return state._derive(stages, self)
+        ops = [s.op for s in state.stages]
+        ops[self.stage_id] = out
+        return Rewrite(_redirect_loads(ops, {op: out}), {self.stage_id: out}, self.stage_id,
+                       initial_stage(rf, origin="rfactor"))
 
     def to_json(self) -> list:
         return [self.code, self.stage_id, self.iter_id, self.factor_iter_id]

@@ -144,3 +144,30 @@ def test_replayed_cache_write_is_shared_and_does_not_keep_its_dag_alive():
     del dag, a, b
     gc.collect()
     assert gone() is None
+
+
+def test_a_rewrite_on_the_same_ops_after_other_loops_shares_its_ops_and_analysis_not_its_loops():
+    """Samples of a sketch differ in the split lengths drawn before its cache_read / cache_write, not in
+    the ops those rewrite: they share the rewritten ops and their access analysis (making them was a
+    tenth of a second per replay on a Winograd F(4) DAG), while each keeps its own loops; both compile
+    and compute the matmul."""
+    dag = make_dag("matmul", 64, 64, 64)
+    base = State(dag).cache_write("C", "local")
+    a = base.split("C", 0, [8]).cache_read("B", "local", ["C.local"])
+    b = base.split("C", 0, [16]).cache_read("B", "local", ["C.local"])
+    assert [s.name for s in a.stages] == ["A", "B", "B.local", "C.local", "C"]
+    assert all(x.op is y.op for x, y in zip(a.stages, b.stages)) and a.analysis is b.analysis
+    assert [it.extent for it in a.stage_by_name("C").iters] == [8, 8, 64]
+    assert [it.extent for it in b.stage_by_name("C").iters] == [4, 16, 64]
+    check_state(a)
+    check_state(b)
+
+
+def test_cache_write_of_a_stage_with_a_stage_computed_at_it_fails_though_its_ops_were_rewritten_before():
+    """The shared rewrite is keyed by the ops, which do not say where stages are computed: the rule that
+    a cache_write comes before anything is attached to its stage is checked on every state."""
+    dag = make_dag("matmul_bias_relu", 16, 16, 16)
+    State(dag).cache_write("T_relu", "local")
+    attached = State(dag).compute_inline("T_add").compute_at("C", "T_relu", 1)
+    with pytest.raises(IllegalStep, match="must come before stages are computed at it"):
+        attached.cache_write("T_relu", "local")
