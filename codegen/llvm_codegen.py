@@ -626,9 +626,9 @@ class LLVMCodegen:
                 if not (a.is_const and b.is_const):
                     return self._fma(a, b, val(other), e.dtype, st)
 
-        def side(x: Expr) -> Val:      # a product of constants, from the factors already emitted
-            if isinstance(x, te.BinOp) and x.op == "mul" and id(x.a) in emitted:
-                return self._binop("mul", emitted[id(x.a)], emitted[id(x.b)], x.dtype, st)
+        def side(x: Expr) -> Val:      # a product of constants: its factors are emitted already
+            if isinstance(x, te.BinOp) and x.op == "mul":
+                return self._binop("mul", val(x.a), val(x.b), x.dtype, st)
             return val(x)
         return self._binop("add", side(e.a), side(e.b), e.dtype, st)
 

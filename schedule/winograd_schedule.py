@@ -73,7 +73,7 @@ def winograd_nhwc_schedule(dag: ComputeDAG, rows: int | None = None, kc: int | N
     keep = {pack.name, bgemm.name, inverse.name, out.name}
     for t in dag.tensors:
         if not t.is_placeholder and t.name not in keep:
-            s = s.compute_inline(t.name)          # the NHWC reindex, bias / residual / relu
+            s = s.compute_inline(t.name)          # the padding, the NHWC reindex, bias / residual / relu
     o = out.name
     # output (b, y, x, k) -> parallel (b, y.0, k.0), then y.1, x, k.1, k.2 (vector)
     s = s.split(o, 1, [min(m * rows, oh)]).split(o, 4, [kc // LANES, LANES])
@@ -91,5 +91,4 @@ def winograd_nhwc_schedule(dag: ComputeDAG, rows: int | None = None, kc: int | N
     # data_pack (eps, nu, p, c) -> p, c.0, eps, nu, c.1 (vector)
     s = s.compute_at(pack.name, bgemm.name, 0)
     s = s.split(pack.name, 3, [LANES]).reorder(pack.name, [2, 3, 0, 1, 4])
-    s = s.unroll(pack.name, 2).unroll(pack.name, 3).vectorize(pack.name, 4)
-    return s
+    return s.unroll(pack.name, 2).unroll(pack.name, 3).vectorize(pack.name, 4)
