@@ -139,9 +139,15 @@ def _op_field(n: Expr) -> str | None:
 
 
 def _count_ops(e: Expr) -> _OpCounts:
-    """Operations of `e` as a tree: a subtree shared by two parents counts twice. Substituted loop
-    values make index expressions share large subtrees, so each distinct node is looked at once and
-    counted as often as paths from the root reach it (parents before children: reversed postorder)."""
+    """Operations of `e` as a tree (see `_tree_counts`)."""
+    return _tree_counts(e)[0]
+
+
+def _tree_counts(e: Expr) -> tuple[_OpCounts, dict[Var, int]]:
+    """Operations of `e` as a tree, and how often each variable occurs in it: a subtree shared by two
+    parents counts twice. Substituted loop values make index expressions share large subtrees, so each
+    distinct node is looked at once and counted as often as paths from the root reach it (parents
+    before children: reversed postorder)."""
     order: list[Expr] = []
     seen: set[int] = set()
     stack: list[tuple[Expr, bool]] = [(e, False)]
@@ -155,14 +161,18 @@ def _count_ops(e: Expr) -> _OpCounts:
             stack.extend((k, False) for k in te.children(node) if id(k) not in seen)
     paths = {id(e): 1}
     c = _OpCounts()
+    occurrences: dict[Var, int] = {}
     for node in reversed(order):
         k = paths[id(node)]
+        if isinstance(node, Var):
+            occurrences[node] = k
+            continue
         f = _op_field(node)
         if f is not None:
             c[f] += k
         for child in te.children(node):
             paths[id(child)] = paths.get(id(child), 0) + k
-    return c
+    return c, occurrences
 
 
 def _first_loads(e: Expr) -> dict[str, list]:
@@ -180,6 +190,34 @@ def _first_loads(e: Expr) -> dict[str, list]:
             reads[n.tensor.name] = [n.indices]
         stack.extend(reversed(te.children(n)))
     return reads
+
+
+@dataclass
+class _BodyFacts:
+    """What the features need of a stage body before its loop values go in: substituting the values
+    (new nodes for every index of a 16 000-node Winograd transform) and walking the result was most of
+    a template's making, and it changes nothing but the index expressions. Loop values are never
+    constants (each holds a loop variable), so substitution folds nothing: the substituted body's
+    tree counts are these plus each variable's occurrences times its value's counts, and its first
+    loads are these with the values put into their indices."""
+    ops: _OpCounts
+    occurrences: dict[Var, int]
+    first_loads: dict[str, list]
+
+    @staticmethod
+    def of(body: Expr) -> "_BodyFacts":
+        ops, occurrences = _tree_counts(body)
+        return _BodyFacts(ops, occurrences, _first_loads(body))
+
+    def substituted(self, values: dict) -> tuple[_OpCounts, dict[str, list]]:
+        """(op counts, first loads) of the body with `values` (root axis -> expression) put in."""
+        ops = _OpCounts(self.ops)
+        for var, k in self.occurrences.items():
+            if var in values:
+                for f, n in _count_ops(values[var]).items():
+                    ops[f] += k * n
+        loads = {t: [[te.substitute(i, values) for i in idx] for idx in lst] for t, lst in self.first_loads.items()}
+        return ops, loads
 
 
 # ------------------------------------------------------------------------------------ template
@@ -344,7 +382,7 @@ _BOUNDS_FUNCTIONS: dict[str, Callable] = {}
 class FeatureTemplate:
     """Features of every state with one structure, as a function of its open numbers."""
 
-    def __init__(self, state: State, task: SearchTask):
+    def __init__(self, state: State, task: SearchTask, body_facts: Callable[[Expr], _BodyFacts] = _BodyFacts.of):
         self.slots = _slots(state)
         self.is_gpu = task.target_kind == "cuda"
         self.cache_line = task.hardware.cache_line_bytes
@@ -400,7 +438,7 @@ class FeatureTemplate:
         for name in self.stage_names:
             _loop_nest(name, by_name, pragma_sym, nests, enclosing)
         loads: dict[str, dict[str, list]] = {}
-        srcs: dict[str, Expr] = {}
+        ops: dict[str, _OpCounts] = {}
         for name in reversed(self.stage_names):
             st = by_name[name]
             vals = values[name]
@@ -409,8 +447,7 @@ class FeatureTemplate:
                 if base is not None:
                     vals = {**vals, **{a: te.binary("add", b, vals[a]) for a, b in zip(st.op.axes, base)}}
             body = bodies[name]
-            srcs[name] = te.substitute(body.source if isinstance(body, te.Reduce) else body, vals)
-            loads[name] = _first_loads(srcs[name])
+            ops[name], loads[name] = body_facts(body.source if isinstance(body, te.Reduce) else body).substituted(vals)
         self.stores: list[_Store] = []
         free_vars = FreeVars()
         for name in self.stage_names:
@@ -434,11 +471,10 @@ class FeatureTemplate:
                     idx = [te.substitute(i, fixed) for i in idx]
                 accesses.append(_Access(buf, [linear_form(i, loop_vars, free_vars) for i in idx], 0,
                                         DTYPE_BYTES[dtype]))
-            ops = _count_ops(srcs[name])
             if isinstance(body, te.Reduce):
-                ops["float_addsub"] += 1 if te.is_float(st.op.dtype) and body.combiner == "sum" else 0
-                ops["float_cmp"] += 1 if te.is_float(st.op.dtype) and body.combiner != "sum" else 0
-            self.stores.append(_Store(name, loops, enclosing[name], accesses, ops, name not in outputs))
+                ops[name]["float_addsub"] += 1 if te.is_float(st.op.dtype) and body.combiner == "sum" else 0
+                ops[name]["float_cmp"] += 1 if te.is_float(st.op.dtype) and body.combiner != "sum" else 0
+            self.stores.append(_Store(name, loops, enclosing[name], accesses, ops[name], name not in outputs))
         # readers of each attached stage, for region inference: (reader store, access)
         self.readers: dict[str, list] = {n: [] for n in self.region_syms}
         for store in self.stores:
@@ -925,6 +961,26 @@ class FeatureTemplate:
         return any(var in lin.coef or any(var in self._atom_vars[id(a)] for a in lin.atoms) for lin in acc.dims)
 
 
+class _BodyFactsCache:
+    """`_BodyFacts` per body object, for the templates of one task: structures of a sketch share their
+    stages' bodies (`State.effective_bodies` and the rewrites hand out the same objects), so one walk
+    of a large body serves every structure. Each entry holds its body, so no other takes its id."""
+
+    def __init__(self, max_bodies: int = 4096):
+        self.entries: dict[int, tuple[Expr, _BodyFacts]] = {}
+        self.max_bodies = max_bodies
+
+    def __call__(self, body: Expr) -> _BodyFacts:
+        hit = self.entries.get(id(body))
+        if hit is not None:
+            return hit[1]
+        if len(self.entries) >= self.max_bodies:
+            self.entries.clear()
+        facts = _BodyFacts.of(body)
+        self.entries[id(body)] = (body, facts)
+        return facts
+
+
 class FeatureExtractor:
     """Features of many states: grouped by structure, one cached template per structure."""
 
@@ -932,6 +988,7 @@ class FeatureExtractor:
         self.task = task
         self.templates: dict[str, FeatureTemplate] = {}
         self.max_templates = max_templates
+        self.body_facts = _BodyFactsCache()
 
     def template(self, state, key: str | None = None) -> FeatureTemplate:
         """`state`: a State, or anything with `.steps` and a lazily replayed `.state` (a Candidate)."""
@@ -940,7 +997,7 @@ class FeatureExtractor:
         if tpl is None:
             if len(self.templates) >= self.max_templates:
                 self.templates.clear()
-            tpl = self.templates[key] = FeatureTemplate(getattr(state, "state", state), self.task)
+            tpl = self.templates[key] = FeatureTemplate(getattr(state, "state", state), self.task, self.body_facts)
         return tpl
 
     @staticmethod

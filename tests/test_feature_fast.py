@@ -14,7 +14,7 @@ import pytest
 import tensortune.search.feature as feature_module
 from tensortune.codegen.target import make_task
 from tensortune.search.candidate import Candidate
-from tensortune.search.feature import FeatureExtractor, FeatureTemplate, _count_ops, _first_loads
+from tensortune.search.feature import FeatureExtractor, FeatureTemplate, _BodyFacts, _count_ops, _first_loads
 from tensortune.search.mutation import crossover, mutate_auto_unroll, mutate_tile_size
 from tensortune.search.sketch_policy import SketchPolicy
 from tensortune.tasks import te
@@ -84,6 +84,45 @@ def test_batched_features_equal_the_reference_bit_for_bit(name, args, target):
         ref = _reference(state, task)
         want = ref(np.array([[*ex.numbers(programs, [i])[0]]]))[0]
         assert np.array_equal(got[i], want)
+
+
+class _CheckedFacts:
+    """`_BodyFacts` that also walk the substituted body the old way and compare, each time a template
+    asks for a stage's op counts and first loads."""
+    checked = 0
+
+    def __init__(self, body: te.Expr):
+        self.body, self.facts = body, _BodyFacts.of(body)
+
+    def substituted(self, values: dict):
+        ops, loads = self.facts.substituted(values)
+        src = te.substitute(self.body, values)
+        nonzero = lambda c: {k: v for k, v in c.items() if v}      # noqa: E731
+        assert nonzero(ops) == nonzero(reference_count_ops(src))
+        want = reference_first_loads(src)
+        assert list(loads) == list(want)
+        for t in want:
+            assert [te.structural_key(i) for i in loads[t][0]] == [te.structural_key(i) for i in want[t][0]]
+        _CheckedFacts.checked += 1
+        return ops, loads
+
+
+WINOGRAD_F4 = ("conv2d_winograd", (1, 8, 8, 8, 8, 1, 4), "llvm -num-threads=2")
+
+
+@pytest.mark.parametrize("name,args,target", TASKS + [WINOGRAD_F4],
+                         ids=[f"{n}-{t.split()[0]}" for n, _, t in TASKS] + ["winograd_f4-llvm"])
+def test_body_facts_equal_walking_the_body_with_its_loop_values_put_in(name, args, target):
+    """Op counts and first loads come from the body as written plus its loop values, not from the body
+    with the values substituted (which a large Winograd transform made slow): the same numbers as
+    walking the substituted body, for every stage of every structure of a sampled population."""
+    task = make_task(make_dag(name, *args), target)
+    programs = _population(task, seed=len(name) + 1)
+    _CheckedFacts.checked = 0
+    groups = FeatureExtractor.groups(programs)
+    for idx in groups.values():
+        FeatureTemplate(programs[idx[0]].state, task, _CheckedFacts)
+    assert len(groups) >= 2 and _CheckedFacts.checked >= len(groups)      # every structure, each stage
 
 
 def test_tree_walks_count_shared_subtrees_as_often_as_the_tree_holds_them():

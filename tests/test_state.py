@@ -9,6 +9,7 @@ from tensortune.codegen.lower import lower
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.schedule.steps import Step
+from tensortune.tasks import te
 from tensortune.tasks.workload_registry import make_dag
 from tests.conftest import check_state, small_dag
 from tests.schedules import tiled_schedule
@@ -171,3 +172,18 @@ def test_cache_write_of_a_stage_with_a_stage_computed_at_it_fails_though_its_ops
     attached = State(dag).compute_inline("T_add").compute_at("C", "T_relu", 1)
     with pytest.raises(IllegalStep, match="must come before stages are computed at it"):
         attached.cache_write("T_relu", "local")
+
+
+def test_states_with_the_same_ops_and_inlining_share_their_effective_bodies():
+    """The feature templates count a body once per object, so tile sizes must not make new bodies;
+    another inlining must, and a shared body is what expanding the stages afresh gives."""
+    dag = make_dag("conv2d_relu", 1, 14, 14, 16, 32, 3, 3, 1, 1)
+    inlined = State(dag).compute_inline("pad_temp")
+    a = inlined.split("conv2d_nchw", 1, [4, 2]).effective_bodies()
+    b = inlined.split("conv2d_nchw", 1, [8, 1]).effective_bodies()
+    c = State(dag).split("conv2d_nchw", 1, [4, 2]).effective_bodies()
+    assert set(a) == {"conv2d_nchw", "T_relu"} and all(a[k] is b[k] for k in a)
+    assert "pad_temp" in c and c["conv2d_nchw"] is not a["conv2d_nchw"]
+    fresh = inlined._expand_inlined()
+    assert all(te.structural_key(a[k]) == te.structural_key(fresh[k]) for k in a)
+    assert "pad_temp" in te.to_text(c["conv2d_nchw"]) and "pad_temp" not in te.to_text(a["conv2d_nchw"])
