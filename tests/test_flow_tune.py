@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import warnings
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -14,9 +15,11 @@ import pytest
 
 from tensortune.codegen.target import parse_target
 from tensortune.flows.artifacts import artifact_key
-from tensortune.flows.tune_flow import tune_network_flow
+from tensortune.flows.tune_flow import time_network_on_cluster, tune_network_flow
+from tensortune.flows.tuning import network_tasks
 from tensortune.storage.models import ModelStore
 from tensortune.storage.records import RecordStore
+from tensortune.tasks.models import load_graph
 from tests.test_flow_dask_measure import kill_a_timing_worker
 
 SMALL = dict(per_round=8, retrain_every=2, model_warmup=16,
@@ -175,3 +178,26 @@ def test_a_bad_cluster_address_fails_the_run_with_what_to_do(tmp_path, prefect_a
     assert state.is_failed()
     with pytest.raises(ClusterError, match="cannot reach the Dask scheduler at tcp://127.0.0.1:9"):
         state.result()
+
+
+def test_a_large_network_goes_to_the_measure_worker_ahead_of_its_timing_job(tmp_path, flow_cluster):
+    """The network's last step sends it to a measure worker: scattered there, not pickled into the task
+    graph the scheduler holds (Dask warns of graphs over 10 MB; this network's weight is 16 MB), and
+    still built, checked against NumPy and timed there."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    w = (np.random.default_rng(0).standard_normal((64, 61440)) * 0.1).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "wide-matmul",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 61440])],
+                              [numpy_helper.from_array(w, "w")])
+    path = str(tmp_path / "wide.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    target = "llvm -num-threads=1"
+    net, _ = network_tasks(load_graph(path), target)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        timing = time_network_on_cluster(flow_cluster, net, str(tmp_path / "records"), target, repeat=2)
+    assert timing.passed, timing.check
+    assert timing.measured_s > 0
+    assert not [w for w in seen if "large graph" in str(w.message)], [str(w.message) for w in seen]
