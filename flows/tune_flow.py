@@ -196,7 +196,7 @@ def time_network_on_cluster(client: Client, net: NetworkTasks, records: str, tar
 
 
 @task(name="build-and-time-network", **_STEP)
-def build_and_time_network(client, net: NetworkTasks, network: str, target: str, records: str,
+def build_and_time_network(client: Client, net: NetworkTasks, network: str, target: str, records: str,
                            repeat: int = 20, workers: tuple[str, ...] = ()) -> TunedNetworkTiming:
     """The network as it will be deployed: built from the store's best records on a measure worker of the
     target (the resource keeps timings one at a time), checked against the NumPy reference, timed end to end."""

@@ -181,9 +181,9 @@ def test_a_bad_cluster_address_fails_the_run_with_what_to_do(tmp_path, prefect_a
 
 
 def test_a_large_network_goes_to_the_measure_worker_ahead_of_its_timing_job(tmp_path, flow_cluster):
-    """The network's last step sends it to a measure worker: scattered there, not pickled into the task
-    graph the scheduler holds (Dask warns of graphs over 10 MB; this network's weight is 16 MB), and
-    still built, checked against NumPy and timed there."""
+    """The network's last step times it on a measure worker: the network is scattered to the cluster
+    ahead of the job, not pickled into the task graph the scheduler holds (Dask warns of graphs over
+    10 MB; this network's weight is 16 MB), and still built, checked against NumPy and timed there."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
     w = (np.random.default_rng(0).standard_normal((64, 61440)) * 0.1).astype(np.float32)
