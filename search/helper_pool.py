@@ -7,8 +7,12 @@ replayed sketches) from call to call, and the caller takes one share itself. Hel
 single-process executor, so a job always lands on the process whose state it warmed.
 
 A helper that dies costs nothing but time: `result` returns None, the caller computes that share
-itself, and the helper is started afresh at the next `submit`. Inside a daemonic process (a Dask
-worker) no child may start, so there are no helpers and the caller does everything.
+itself, and the helper is started afresh at the next `submit`. Helpers that die before finishing any
+job twice (a spawned helper imports the caller's `__main__`: a script that tunes at module level, or
+exits when not run as the main module, kills each one as it starts) are given up for the pool's life,
+with one warning that says why: restarting them cost a process start and a warning every call.
+Inside a daemonic process (a Dask worker) no child may start, so there are no helpers and the caller
+does everything.
 
 A pool outlives cost-model versions (the flow loads a new model at every retrain), so its processes
 and their warm state are made once per tuning run.
@@ -46,6 +50,8 @@ class HelperPool:
     def __init__(self, processes: int | None = None):
         self.processes = default_processes() if processes is None else processes
         self._executors: list[ProcessPoolExecutor | None] = [None] * self.processes
+        self._served = [False] * self.processes        # helper n has finished a job since it started
+        self._died_unserved = 0
         self._finalizer = weakref.finalize(self, _shutdown, self._executors)
 
     def submit(self, n: int, fn: Callable[..., Any], *args: Any) -> Future | None:
@@ -71,14 +77,26 @@ class HelperPool:
 
     def result(self, n: int, future: Future | None) -> Any | None:
         """The job's result, or None if it could not run (the caller then computes it itself)."""
-        if future is None:
+        if future is None or not self.processes:
             return None
         try:
-            return future.result()
+            out = future.result()
         except Exception as exc:  # noqa: BLE001 - a dead helper (BrokenProcessPool) or a bug in it
-            log.warning("helper %d failed (%s: %s); doing its share here", n, type(exc).__name__, exc)
+            served = self._served[n]
             self._drop(n)
+            if not served:
+                self._died_unserved += 1
+                if self._died_unserved >= 2:
+                    log.warning("helper processes die as they start (%s); the search runs in this process "
+                                "only. Helpers are spawned and import the caller's __main__: start tuning "
+                                "from a script under `if __name__ == \"__main__\":`", type(exc).__name__)
+                    self.close()
+                    self.processes = 0
+                    return None
+            log.warning("helper %d failed (%s: %s); doing its share here", n, type(exc).__name__, exc)
             return None
+        self._served[n], self._died_unserved = True, 0
+        return out
 
     def pids(self) -> list[int]:
         """The helpers' process ids (started ones only)."""
@@ -86,6 +104,7 @@ class HelperPool:
 
     def _drop(self, n: int) -> None:
         executor, self._executors[n] = self._executors[n], None
+        self._served[n] = False
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
 

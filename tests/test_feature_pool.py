@@ -162,3 +162,37 @@ def test_helpers_leave_the_proposals_as_they_were():
         finally:
             featurizer.close()
     assert batches[0] == batches[1] and len(batches[0]) == 32
+
+
+def test_helpers_that_die_as_they_start_are_given_up_with_one_warning(tmp_path):
+    """A script that exits when imported as a module (as one does that tunes at module level without a
+    main guard: spawned helpers import it) kills each helper as it starts: after the second, the pool
+    stops restarting them (a process start per call) and says why, once; the features are still right."""
+    script = textwrap.dedent("""
+        import logging
+        import numpy as np
+        from tensortune.codegen.target import make_task
+        from tensortune.search.feature import FeatureExtractor
+        from tensortune.search.feature_pool import Featurizer
+        from tensortune.search.sketch_policy import SketchPolicy
+        from tensortune.tasks.workload_registry import make_dag
+        if __name__ != "__main__":
+            raise SystemExit(0)
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        task = make_task(make_dag("matmul", 64, 64, 64))
+        programs = SketchPolicy(task, seed=0).sample(64)
+        f = Featurizer(processes=1, min_batch=1)
+        want = FeatureExtractor(task)(programs)
+        for _ in range(5):
+            got = f(task, programs)
+            assert all(np.array_equal(a, b) for a, b in zip(got, want))
+        print("helpers", f.helpers.processes, flush=True)
+    """)
+    path = tmp_path / "unguarded.py"
+    path.write_text(script)
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["helpers", "0"]
+    assert done.stderr.count("die as they start") == 1
+    assert done.stderr.count("doing its share here") == 1, done.stderr
