@@ -58,7 +58,9 @@ def server(tmp_path_factory):
 
 
 def _env(server) -> dict[str, str]:
-    return {**os.environ, "PREFECT_API_URL": server.api_url}
+    """The environment of the CLI and of a worker: the worker's pull step goes to $TENSORTUNE_HOME, the
+    checkout (deploy/README.md: export TENSORTUNE_HOME=$PWD), to load the deployments' entrypoints."""
+    return {**os.environ, "PREFECT_API_URL": server.api_url, "TENSORTUNE_HOME": str(ROOT)}
 
 
 def _read_back(server, run_id: str):
