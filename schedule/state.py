@@ -8,10 +8,9 @@ all lowering needs to compute index expressions and bounds.
 from __future__ import annotations
 
 import json
-import weakref
-from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
+from tensortune.schedule.dag_memo import DagMemo
 from tensortune.schedule.stage import GPU_BINDINGS, IllegalStep, Stage, initial_stages
 from tensortune.schedule.steps import (
     AnnotationStep,
@@ -38,8 +37,7 @@ from tensortune.tasks.compute_dag import AccessAnalysis, ComputeDAG
 from tensortune.tasks.te import Load, Tensor
 
 # effective bodies per DAG, the last few stage lists' (by their ops and inlining)
-_EFFECTIVE_BODIES: "weakref.WeakKeyDictionary[ComputeDAG, OrderedDict]" = weakref.WeakKeyDictionary()
-_EFFECTIVE_BODIES_KEPT = 64
+_EFFECTIVE_BODIES = DagMemo(kept=64)
 
 
 class State:
@@ -138,17 +136,11 @@ class State:
         depend on the stages' ops and which are inlined alone, so states that share both (the samples
         of a sketch) get the same body objects, which the cost model's feature templates count once."""
         key = tuple((id(s.op), s.compute_at == "inline") for s in self.stages)
-        memo = _EFFECTIVE_BODIES.setdefault(self.dag, OrderedDict())
-        hit = memo.get(key)
-        if hit is not None:
-            memo.move_to_end(key)
-            return dict(hit[1])
-        out = self._expand_inlined()
-        # the entry holds the ops, so no other object can take the ids in its key while it lives
-        memo[key] = (tuple(s.op for s in self.stages), out)
-        if len(memo) > _EFFECTIVE_BODIES_KEPT:
-            memo.popitem(last=False)
-        return dict(out)
+        hit = _EFFECTIVE_BODIES.get(self.dag, key)
+        if hit is None:
+            hit = (tuple(s.op for s in self.stages), self._expand_inlined())     # the ops: their ids are the key
+            _EFFECTIVE_BODIES.put(self.dag, key, hit)
+        return dict(hit[1])
 
     def _expand_inlined(self) -> dict[str, te.Expr]:
         inline: dict[str, tuple[Tensor, te.Expr]] = {}

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tensortune.schedule.dag_memo import DagMemo
 from tensortune.schedule.loop_structure import loop_structure
 from tensortune.schedule.stage import (
     ANNOTATIONS,
@@ -24,7 +23,6 @@ from tensortune.schedule.stage import (
     initial_stage,
 )
 from tensortune.tasks import te
-from tensortune.tasks.compute_dag import ComputeDAG
 from tensortune.tasks.te import IterVar, Load, Tensor, Var
 
 if TYPE_CHECKING:                     # steps act on a State through its methods; state.py imports this file
@@ -459,8 +457,7 @@ def _unique_stage_name(state: "State", base: str) -> str:
 # stage list, which depends on the stages' ops alone (rfactor: on the factored stage's loops too), and
 # every sample of a sketch replays it on the very same ops: they share one Rewrite and one analysis,
 # per DAG the last few.
-_REWRITES: "weakref.WeakKeyDictionary[ComputeDAG, OrderedDict]" = weakref.WeakKeyDictionary()
-_REWRITES_KEPT = 64
+_REWRITES = DagMemo(kept=64)
 
 
 @dataclass(frozen=True)
@@ -485,19 +482,13 @@ class Rewrite:
 
 
 def _rewrite_once(step: "CacheReadStep | CacheWriteStep | RfactorStep", state: "State") -> "State":
-    memo = _REWRITES.setdefault(state.dag, OrderedDict())
     key = step.rewrite_key(state)
-    hit = memo.get(key)
+    hit = _REWRITES.get(state.dag, key)
     if hit is None:
         rewrite = step.rewrite(state)
         new = rewrite.apply(state, step)
-        # the entry holds the old stages, so no other object can take the ids in its key while it
-        # lives, and no State: one refers to the DAG, which would then never leave this weak-keyed memo
-        memo[key] = (state.stages, rewrite, new.analysis)
-        if len(memo) > _REWRITES_KEPT:
-            memo.popitem(last=False)
+        _REWRITES.put(state.dag, key, (state.stages, rewrite, new.analysis))   # the stages: their ids are the key
         return new
-    memo.move_to_end(key)
     new = hit[1].apply(state, step)
     new._analysis = hit[2]
     return new
