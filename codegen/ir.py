@@ -154,7 +154,7 @@ def uses(s: Stmt) -> tuple[set, set]:
     """(vars, buffers) a statement tree reads or writes."""
     vars_, bufs = set(), set()
     for e in stmt_exprs(s):
-        for n in te.walk(e):
+        for n in te.walk_distinct(e):
             if isinstance(n, Var):
                 vars_.add(n)
             elif isinstance(n, BufferLoad):

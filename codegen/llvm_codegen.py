@@ -9,6 +9,7 @@ by libgomp's persistent thread pool. Each integer value is tracked as uniform, a
 from __future__ import annotations
 
 import struct
+from collections import ChainMap
 from dataclasses import dataclass
 
 from tensortune.codegen.ir import (
@@ -128,18 +129,23 @@ class LLVMCodegen:
         self.stack_owner: dict = {}     # Buffer -> the function whose stack holds it (thread-private)
         self.root: _Function | None = None   # the kernel's own function (not an outlined parallel body)
         self.n_workspaces = 0
+        self._native_lanes: dict[int, int] = {}   # id(For) -> native_lanes (the func keeps its loops alive)
         flags = set(features.split(","))
         self.vector_bits = 512 if "+avx512f" in flags else 256 if "+avx" in flags or "+avx2" in flags else 128
 
     def native_lanes(self, loop: For) -> int:
         """Lanes of one hardware vector for the widest element type the loop loads or stores
-        (index arithmetic is i64 but stays mostly scalar, so it does not count)."""
-        widest = 1
-        for e in stmt_exprs(loop.body):
-            for n in te.walk(e):
-                if isinstance(n, BufferLoad):
-                    widest = max(widest, DTYPE_BYTES[n.buffer.dtype])
-        return max(1, self.vector_bits // (8 * widest))
+        (index arithmetic is i64 but stays mostly scalar, so it does not count). Memoised per loop: an
+        unrolled loop emits the vectorised loop inside it once per iteration."""
+        lanes = self._native_lanes.get(id(loop))
+        if lanes is None:
+            widest = 1
+            for e in stmt_exprs(loop.body):
+                for n in te.walk_distinct(e):
+                    if isinstance(n, BufferLoad):
+                        widest = max(widest, DTYPE_BYTES[n.buffer.dtype])
+            lanes = self._native_lanes[id(loop)] = max(1, self.vector_bits // (8 * widest))
+        return lanes
 
     # ------------------------------------------------------------------ module
 
@@ -392,6 +398,7 @@ class LLVMCodegen:
         fn.start_block(end_l)
 
     def _store(self, s: Store, st: "_EmitState") -> None:
+        st = st.statement()
         fn = st.fn
         buf = s.buffer
         ty = _mem_type(buf.dtype)
@@ -535,6 +542,16 @@ class LLVMCodegen:
     # ------------------------------------------------------------------ expressions
 
     def _expr(self, e: Expr, st: "_EmitState") -> Val:
+        """e's value; inside a statement each expression object is emitted once (`_EmitState.memo`)."""
+        memo = st.memo
+        if memo is None or isinstance(e, (te.Const, Var)):
+            return self._emit_expr(e, st)
+        hit = memo.get(id(e))
+        if hit is None:
+            hit = memo[id(e)] = (e, self._emit_expr(e, st))     # e kept alive: its id stays its own
+        return hit[1]
+
+    def _emit_expr(self, e: Expr, st: "_EmitState") -> Val:
         if isinstance(e, te.Const):
             ty = _LLTYPE[e.dtype]
             return Val(ty, const=e.value)
@@ -789,8 +806,8 @@ class LLVMCodegen:
         ty = _LLTYPE[e.dtype]
         if c.is_const:
             return self._expr(e.t if c.const else e.f, st)
-        has_load = any(isinstance(n, BufferLoad) for n in te.walk(e.t)) or \
-            any(isinstance(n, BufferLoad) for n in te.walk(e.f))
+        has_load = any(isinstance(n, BufferLoad) for n in te.walk_distinct(e.t)) or \
+            any(isinstance(n, BufferLoad) for n in te.walk_distinct(e.f))
         if not has_load:
             return self._select_vals(c, self._expr(e.t, st), self._expr(e.f, st), ty, st)
         if c.lanes > 1 or st.lanes > 1:
@@ -1017,14 +1034,27 @@ class _EmitState:
     lanes: int
     in_parallel: bool
     ranges: dict
+    # id(expr) -> (expr, Val) emitted so far in this statement: a lowered expression is a DAG (a
+    # Winograd transform's 36 sums share their tile's loads and padding tests), and emitting every path
+    # to a shared node wrote it out once per path. Per statement, so loads never outlive a store; a
+    # branch or masked child (child, scoped) sees what dominates it, and what it emits stays its own.
+    memo: ChainMap | None = None
 
     def child(self, mask: str | None = None, lanes: int | None = None) -> "_EmitState":
         return _EmitState(self.fn, self.buffers, dict(self.env), mask if mask is not None else self.mask,
-                          lanes or self.lanes, self.in_parallel, self.ranges)
+                          lanes or self.lanes, self.in_parallel, self.ranges, self._inner_memo())
 
     def scoped(self) -> "_EmitState":
         return _EmitState(self.fn, self.buffers, dict(self.env), self.mask, self.lanes, self.in_parallel,
-                          self.ranges)
+                          self.ranges, self._inner_memo())
+
+    def statement(self) -> "_EmitState":
+        """This state with a fresh memo, for one statement."""
+        return _EmitState(self.fn, self.buffers, self.env, self.mask, self.lanes, self.in_parallel,
+                          self.ranges, ChainMap())
+
+    def _inner_memo(self) -> ChainMap | None:
+        return None if self.memo is None else self.memo.new_child()
 
 
 def generate_llvm_ir(func: LoweredFunc, cpu: str, features: str, num_threads: int = 0) -> str:

@@ -127,12 +127,17 @@ class _Lowering:
                                     f"{reader} reads it outside that loop; compute it at a common loop instead")
             rinfo = self.info[reader]
             roots = rinfo.values
-            for n in te.walk(rinfo.body):
+            bounded: set[tuple] = set()     # (dim, index structure): a Winograd transform reads its tile
+            for n in te.walk_distinct(rinfo.body):    # at each index in many equal Load objects
                 if not (isinstance(n, Load) and n.tensor.name == op.name):
                     continue
                 for d, idx in enumerate(n.indices):
                     if failed[d]:
                         continue
+                    key = (d, te.structural_key(idx))
+                    if key in bounded:
+                        continue
+                    bounded.add(key)
                     b = symbolic_bounds(te.substitute(idx, roots), ranging)
                     if b is None:
                         failed[d] = True
@@ -221,11 +226,16 @@ class _Lowering:
 
     def _lower_expr(self, e: Expr, values: dict) -> Expr:
         e = te.substitute(e, values)
+        lowered: dict[tuple, BufferLoad] = {}     # equal loads (by structure) lowered once
 
         def repl(n: Expr):
             if isinstance(n, Load) and not isinstance(n, BufferLoad):
-                buf, idx = self._buffer_index(n.tensor.name, n.indices)
-                return BufferLoad(buf, (simplify(idx, self.ranges),))
+                key = (n.tensor.name, tuple(te.structural_key(i) for i in n.indices))
+                load = lowered.get(key)
+                if load is None:
+                    buf, idx = self._buffer_index(n.tensor.name, n.indices)
+                    load = lowered[key] = BufferLoad(buf, (simplify(idx, self.ranges),))
+                return load
             return None
         return te.transform(e, repl)
 
@@ -361,7 +371,7 @@ class _Lowering:
                 continue
             body = bodies[st.name]
             self.info[st.name] = _StageInfo(i, st, body)
-            for n in te.walk(body):
+            for n in te.walk_distinct(body):
                 if isinstance(n, Load):
                     readers.setdefault(n.tensor.name, [])
                     if st.name not in readers[n.tensor.name]:

@@ -482,8 +482,25 @@ def walk(e: Expr) -> Iterable[Expr]:
         stack.extend(reversed(children(node)))
 
 
+def walk_distinct(e: Expr) -> Iterable[Expr]:
+    """Pre-order traversal that visits each node object once. An expression is a DAG wherever a
+    subtree object is used twice (a Winograd transform's sums share their tile's loads), and `walk`
+    visits a shared subtree once per path to it: 8.5 million nodes for the twelve F(4) programs a
+    codegen profile built, where each distinct node once suffices for every question that asks
+    whether some node is there, or which ones are."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(reversed(children(node)))
+
+
 def _contains_reduce(e: Expr) -> bool:
-    return builtins.any(isinstance(n, Reduce) for n in walk(e))
+    return builtins.any(isinstance(n, Reduce) for n in walk_distinct(e))
 
 
 def rebuild(e: Expr, kids: Sequence[Expr]) -> Expr:
@@ -537,7 +554,7 @@ def substitute(e: Expr, mapping: Mapping[_V, Expr]) -> Expr:
 
 
 def free_vars(e: Expr) -> set[Var]:
-    return {n for n in walk(e) if isinstance(n, Var)}
+    return {n for n in walk_distinct(e) if isinstance(n, Var)}
 
 
 def structural_key(e: Expr, names: dict | None = None) -> tuple:

@@ -146,3 +146,18 @@ def test_the_benchmarks_channels_last_torch_call_computes_the_nhwc_layer():
     assert out.is_contiguous(memory_format=torch.channels_last)
     want = evaluate(small, small.random_inputs())[0]
     np.testing.assert_allclose(out.permute(0, 2, 3, 1).numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_walk_distinct_visits_a_shared_subtree_once():
+    """An expression is a DAG where a subtree object is used twice; `walk_distinct` (what codegen and
+    lowering ask "which nodes are there" with) yields each object once, `walk` once per path, and both
+    see the same nodes."""
+    x = te.placeholder((8,), "float32", "x")
+    i = te.Var("i")
+    s = x[i] * 2.0 + 1.0
+    e = s * s + s
+    walked, distinct = list(te.walk(e)), list(te.walk_distinct(e))
+    assert sum(n is s for n in walked) == 3 and sum(n is s for n in distinct) == 1
+    assert {id(n) for n in walked} == {id(n) for n in distinct}
+    assert len(distinct) == len({id(n) for n in distinct})
+    assert distinct[0] is e                      # pre-order, as walk

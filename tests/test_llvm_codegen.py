@@ -196,3 +196,35 @@ def test_a_sum_of_products_that_fold_to_constants_is_emitted_once_per_term(vecto
     coef = np.arange(terms) + 1.5
     want = np.stack([(coef[z::2, None] * xs[z::2].astype(np.float64)).sum(0) for z in (0, 1)])
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vector", [16, 1])
+def test_a_shared_subexpression_is_emitted_once_per_statement(vector):
+    """A lowered expression is a DAG where a subtree object is used twice (a Winograd transform's sums
+    share their tile's loads): the code generator emits such a node once per statement, not once per
+    path to it (which made F(4) programs' IR several times longer than its operations). A use under a
+    select's mask may load it again (masked), never more. Checked against NumPy on random inputs,
+    masked lanes included."""
+    from tensortune.tasks import te
+    from tensortune.tasks.compute_dag import ComputeDAG
+    n = 64
+    x = te.placeholder((n,), "float32", "x")
+
+    def body(j):
+        s = x[j] * 2.0 + 1.0                 # one object, used seven times
+        return s * s + s * s * s + s + te.if_then_else(j < 40, s, te.const(0.0, "float32"))
+    y = te.compute((n,), body, name="y")
+    state = State(ComputeDAG([x, y]))
+    if vector > 1:
+        state = state.split("y", 0, [vector]).vectorize("y", 1)
+    target = parse_target("llvm")
+    ir = generate_llvm_ir(lower(state, target_kind="cpu"), target.cpu, target.features, target.num_threads)
+    kernel = ir[ir.index("define void @default_function("):]
+    kernel = kernel[:kernel.index("\n}\n")]
+    loads = len(re.findall(r"= (load|call \S+ @llvm\.masked\.load)", kernel))
+    assert 1 <= loads <= 2, kernel          # one statement emitted: one load, two with the mask
+    xs = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    out = np.full(n, np.nan, np.float32)
+    LLVMKernel(build(state))(xs, out)
+    s = xs.astype(np.float64) * 2 + 1
+    np.testing.assert_allclose(out, s * s + s ** 3 + s + np.where(np.arange(n) < 40, s, 0), rtol=1e-5, atol=1e-5)
