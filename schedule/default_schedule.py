@@ -6,10 +6,10 @@ first, so a tuned task never ends slower than its default.
 from __future__ import annotations
 
 from tensortune.schedule.state import State
+from tensortune.schedule.winograd_schedule import LANES as VECTOR_LANES
 from tensortune.schedule.winograd_schedule import winograd_nhwc_schedule
 from tensortune.tasks.compute_dag import ComputeDAG
 
-VECTOR_LANES = 16
 TILE = (VECTOR_LANES, 4, 4)     # register tile of a data-reuse stage, innermost spatial axis first
 
 def default_schedule(dag: ComputeDAG) -> State:
