@@ -485,9 +485,9 @@ def walk(e: Expr) -> Iterable[Expr]:
 def walk_distinct(e: Expr) -> Iterable[Expr]:
     """Pre-order traversal that visits each node object once. An expression is a DAG wherever a
     subtree object is used twice (a Winograd transform's sums share their tile's loads), and `walk`
-    visits a shared subtree once per path to it: 8.5 million nodes for the twelve F(4) programs a
-    codegen profile built, where each distinct node once suffices for every question that asks
-    whether some node is there, or which ones are."""
+    visits a shared subtree once per path to it: of the 8.5 million nodes the code generator's
+    vector-width check walked for twelve F(4) programs, half were such repeats. For every question
+    of whether some node is there, or which ones are, each distinct node once suffices."""
     seen: set[int] = set()
     stack = [e]
     while stack:
