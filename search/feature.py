@@ -179,16 +179,9 @@ def _first_loads(e: Expr) -> dict[str, list]:
     """The indices of each tensor's first load in pre-order (a shared subtree is walked once: its first
     occurrence comes first anyway)."""
     reads: dict[str, list] = {}
-    seen: set[int] = set()
-    stack = [e]
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
+    for n in te.walk_distinct(e):
         if isinstance(n, te.Load) and n.tensor.name not in reads:
             reads[n.tensor.name] = [n.indices]
-        stack.extend(reversed(te.children(n)))
     return reads
 
 
