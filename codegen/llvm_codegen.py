@@ -373,7 +373,7 @@ class LLVMCodegen:
         self.module.functions.append(entry)
 
     def _if(self, s: IfThenElse, st: "_EmitState") -> None:
-        cond = self._expr(s.cond, st)
+        cond = self._expr(s.cond, st.statement())
         if cond.is_const:
             branch = s.then if cond.const else s.orelse
             if branch is not None:
@@ -626,27 +626,20 @@ class LLVMCodegen:
 
     def _float_add(self, e: te.BinOp, st) -> Val:
         """a*b + c as one fmuladd where a side of the add is a product with a non-constant factor, else
-        a plain fadd. Every operand is emitted once: trying the fusion by emitting the operands and, on
-        failure, emitting them again from the top doubled the code at each level of an add chain whose
-        terms fold to constant products (a Winograd transform of a zero-padded tile: 2^n copies, tens of
-        millions of lines for a 6x6 tile)."""
-        emitted: dict[int, Val] = {}
-
-        def val(x: Expr) -> Val:
-            if id(x) not in emitted:
-                emitted[id(x)] = self._expr(x, st)
-            return emitted[id(x)]
-
+        a plain fadd. Every operand is emitted once (the statement's memo, `_expr`): trying the fusion by
+        emitting the operands and, on failure, emitting them again from the top doubled the code at each
+        level of an add chain whose terms fold to constant products (a Winograd transform of a
+        zero-padded tile: 2^n copies, tens of millions of lines for a 6x6 tile)."""
         for mul, other in ((e.a, e.b), (e.b, e.a)):
             if isinstance(mul, te.BinOp) and mul.op == "mul":
-                a, b = val(mul.a), val(mul.b)
+                a, b = self._expr(mul.a, st), self._expr(mul.b, st)
                 if not (a.is_const and b.is_const):
-                    return self._fma(a, b, val(other), e.dtype, st)
+                    return self._fma(a, b, self._expr(other, st), e.dtype, st)
 
         def side(x: Expr) -> Val:      # a product of constants: its factors are emitted already
             if isinstance(x, te.BinOp) and x.op == "mul":
-                return self._binop("mul", val(x.a), val(x.b), x.dtype, st)
-            return val(x)
+                return self._binop("mul", self._expr(x.a, st), self._expr(x.b, st), x.dtype, st)
+            return self._expr(x, st)
         return self._binop("add", side(e.a), side(e.b), e.dtype, st)
 
     def _fma(self, a: Val, b: Val, c: Val, dtype: str, st) -> Val:
@@ -1034,7 +1027,8 @@ class _EmitState:
     lanes: int
     in_parallel: bool
     ranges: dict
-    # id(expr) -> (expr, Val) emitted so far in this statement: a lowered expression is a DAG (a
+    # id(expr) -> (expr, Val) emitted so far in this statement (a store, or an if's condition; None
+    # outside one, where no expression is emitted): a lowered expression is a DAG (a
     # Winograd transform's 36 sums share their tile's loads and padding tests), and emitting every path
     # to a shared node wrote it out once per path. Per statement, so loads never outlive a store; a
     # branch or masked child (child, scoped) sees what dominates it, and what it emits stays its own.
