@@ -1,7 +1,9 @@
 """Loop State: transform steps, replay, the compact JSON round trip, printing and illegal steps."""
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 
@@ -187,8 +189,6 @@ def test_states_with_the_same_ops_and_inlining_share_their_effective_bodies():
     fresh = inlined._expand_inlined()
     assert all(te.structural_key(a[k]) == te.structural_key(fresh[k]) for k in a)
     assert "pad_temp" in te.to_text(c["conv2d_nchw"]) and "pad_temp" not in te.to_text(a["conv2d_nchw"])
-    import gc
-    import weakref
     gone = weakref.ref(dag)                   # the memo must not outlive the DAG (a network run makes many)
     del dag, inlined, a, b, c, fresh
     gc.collect()
