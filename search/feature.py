@@ -192,7 +192,10 @@ class _BodyFacts:
     a template's making, and it changes nothing but the index expressions. Loop values are never
     constants (each holds a loop variable), so substitution folds nothing: the substituted body's
     tree counts are these plus each variable's occurrences times its value's counts, and its first
-    loads are these with the values put into their indices."""
+    loads are these with the values put into their indices. Except where a loop fused from one of
+    extent 1 makes a value the constant 0 (a whole reduction's outer tile fused with a spatial loop):
+    substitution then folds `k.0 * 96 + k.1` to `k.1`, so that body is walked as substituted."""
+    body: Expr
     ops: _OpCounts
     occurrences: dict[Var, int]
     first_loads: dict[str, list]
@@ -200,10 +203,13 @@ class _BodyFacts:
     @staticmethod
     def of(body: Expr) -> "_BodyFacts":
         ops, occurrences = _tree_counts(body)
-        return _BodyFacts(ops, occurrences, _first_loads(body))
+        return _BodyFacts(body, ops, occurrences, _first_loads(body))
 
     def substituted(self, values: dict) -> tuple[_OpCounts, dict[str, list]]:
         """(op counts, first loads) of the body with `values` (root axis -> expression) put in."""
+        if any(isinstance(values.get(var), te.Const) for var in self.occurrences):
+            src = te.substitute(self.body, values)
+            return _count_ops(src), _first_loads(src)
         ops = _OpCounts(self.ops)
         for var, k in self.occurrences.items():
             if var in values:
@@ -957,20 +963,20 @@ class FeatureTemplate:
 class _BodyFactsCache:
     """`_BodyFacts` per body object, for the templates of one task: structures of a sketch share their
     stages' bodies (`State.effective_bodies` and the rewrites hand out the same objects), so one walk
-    of a large body serves every structure. Each entry holds its body, so no other takes its id."""
+    of a large body serves every structure. Each entry holds its body (`_BodyFacts.body`), so no other
+    takes its id."""
 
     def __init__(self, max_bodies: int = 4096):
-        self.entries: dict[int, tuple[Expr, _BodyFacts]] = {}
+        self.entries: dict[int, _BodyFacts] = {}
         self.max_bodies = max_bodies
 
     def __call__(self, body: Expr) -> _BodyFacts:
         hit = self.entries.get(id(body))
         if hit is not None:
-            return hit[1]
+            return hit
         if len(self.entries) >= self.max_bodies:
             self.entries.clear()
-        facts = _BodyFacts.of(body)
-        self.entries[id(body)] = (body, facts)
+        facts = self.entries[id(body)] = _BodyFacts.of(body)
         return facts
 
 

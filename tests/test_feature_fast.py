@@ -136,3 +136,18 @@ def test_tree_walks_count_shared_subtrees_as_often_as_the_tree_holds_them():
     assert dict(_count_ops(e))["int_mul"] == 7 and dict(_count_ops(e))["float_mul"] == 1
     first = _first_loads(e)
     assert list(first) == ["A"] and first["A"][0] is reference_first_loads(e)["A"][0]
+
+
+def test_body_facts_of_a_loop_value_that_is_the_constant_zero_fold_as_substitution_does():
+    """A whole reduction's outer tile (extent 1) fused with a spatial loop has the value 0: substitution
+    folds `k0 * 96 + k1` to `k1`, so the op counts are those of the folded body, not the written one's
+    plus the values'."""
+    x, k0, k1, f = te.Var("x"), te.Var("k0"), te.Var("k1"), te.Var("x@k0@")
+    data = te.placeholder((4, 96), name="data")
+    body = te.binary("div", data[x, k0 * 96 + k1], te.const(96.0, "float32"))
+    values = {x: f, k0: te.const(0), k1: k1}
+    ops, loads = _BodyFacts.of(body).substituted(values)
+    src = te.substitute(body, values)
+    assert {k: v for k, v in ops.items() if v} == {k: v for k, v in reference_count_ops(src).items() if v}
+    assert "int_mul" not in {k for k, v in ops.items() if v}
+    assert [te.structural_key(i) for i in loads["data"][0]] == [te.structural_key(i) for i in (f, k1)]
