@@ -409,37 +409,52 @@ def measure_fma_peak(threads: int) -> float:
     """GFLOP/s of independent chains of native-width FMAs on `threads` threads (the machine's fp32 peak):
     16 chains of 16 floats with AVX-512 (32 registers), 12 of 8 with AVX2 (16 registers), enough to
     cover two FMA pipes' latency without spilling. The best of 20 short runs: the peak is what the
-    machine can do, and other tenants only slow it (a bound, not a speed compared with anything)."""
-    import ctypes
+    machine can do, and other tenants only slow it (a bound, not a speed compared with anything).
+    How far the other runs fall below it: `python -m bench ceiling`."""
+    loop = FmaPeakLoop(threads)
+    return max(loop.run() for _ in range(20))
 
-    import llvmlite.binding as llvm
 
-    from tensortune.codegen.llvm_backend import _init, _new_target_machine, compile_ir
-    from tensortune.codegen.target import parse_target
-    _init()
-    target = parse_target("llvm")
-    lanes = max(4, target.hardware.vector_unit_bytes // 4)
-    n_acc = 16 if lanes >= 16 else 12
-    vec = f"<{lanes} x float>"
-    phis = "\n".join(f"  %a{k} = phi {vec} [zeroinitializer, %entry], [%f{k}, %loop]" for k in range(n_acc))
-    mul = "<" + ", ".join(["float 0x3FF0000020000000"] * lanes) + ">"
-    fmas = "\n".join(f"  %f{k} = call {vec} @llvm.fma.v{lanes}f32({vec} %a{k}, {vec} {mul}, {vec} {mul})"
-                     for k in range(n_acc))
-    sums = f"  %s0 = fadd {vec} %f0, %f1\n" + "\n".join(
-        f"  %s{k} = fadd {vec} %s{k - 1}, %f{k + 1}" for k in range(1, n_acc - 1))
-    sums += f"\n  %sum = fadd {vec} %s{n_acc - 2}, %f0"
-    ir = (_PEAK_IR.replace("ACC_PHIS", phis).replace("FMAS", fmas).replace("SUMS", sums)
-          .replace("VEC", vec).replace("vWf32", f"v{lanes}f32").replace("BITS", str(lanes * 32))
-          .replace("CPU", target.cpu).replace("FEATURES", target.features))
-    obj = compile_ir(ir, target)
-    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _new_target_machine(target.cpu, target.features))
-    engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
-    engine.finalize_object()
-    fn = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int32)(engine.get_function_address("peak_threads"))
-    iters = 2_000_000
-    fn(iters, threads)
-    secs = min(_perf_clock(lambda: fn(iters, threads), 1) for _ in range(20))
-    return iters * n_acc * lanes * 2 * threads / secs / 1e9
+class FmaPeakLoop:
+    """The peak loop of measure_fma_peak compiled for the host, run once on `threads` threads as a
+    warm-up; run() times one more run (about 5 ms)."""
+    ITERS = 2_000_000
+
+    def __init__(self, threads: int):
+        import ctypes
+
+        import llvmlite.binding as llvm
+
+        from tensortune.codegen.llvm_backend import _init, _new_target_machine, compile_ir
+        from tensortune.codegen.target import parse_target
+        _init()
+        target = parse_target("llvm")
+        lanes = max(4, target.hardware.vector_unit_bytes // 4)
+        n_acc = 16 if lanes >= 16 else 12
+        vec = f"<{lanes} x float>"
+        phis = "\n".join(f"  %a{k} = phi {vec} [zeroinitializer, %entry], [%f{k}, %loop]" for k in range(n_acc))
+        mul = "<" + ", ".join(["float 0x3FF0000020000000"] * lanes) + ">"
+        fmas = "\n".join(f"  %f{k} = call {vec} @llvm.fma.v{lanes}f32({vec} %a{k}, {vec} {mul}, {vec} {mul})"
+                         for k in range(n_acc))
+        sums = f"  %s0 = fadd {vec} %f0, %f1\n" + "\n".join(
+            f"  %s{k} = fadd {vec} %s{k - 1}, %f{k + 1}" for k in range(1, n_acc - 1))
+        sums += f"\n  %sum = fadd {vec} %s{n_acc - 2}, %f0"
+        ir = (_PEAK_IR.replace("ACC_PHIS", phis).replace("FMAS", fmas).replace("SUMS", sums)
+              .replace("VEC", vec).replace("vWf32", f"v{lanes}f32").replace("BITS", str(lanes * 32))
+              .replace("CPU", target.cpu).replace("FEATURES", target.features))
+        obj = compile_ir(ir, target)
+        self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""),
+                                                  _new_target_machine(target.cpu, target.features))
+        self._engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+        self._engine.finalize_object()
+        self._fn = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int32)(
+            self._engine.get_function_address("peak_threads"))
+        self.threads, self.flops = threads, self.ITERS * n_acc * lanes * 2 * threads
+        self._fn(self.ITERS, threads)
+
+    def run(self) -> float:
+        """GFLOP/s of one run."""
+        return self.flops / _perf_clock(lambda: self._fn(self.ITERS, self.threads), 1) / 1e9
 
 
 # ---------------------------------------------------------------------------------- tables
