@@ -40,3 +40,15 @@ def test_spread_is_relative_to_the_best_peak_run():
     assert got == {"peak_frac": 0.5, "median_frac": 0.425, "p25_frac": 0.4, "worst_frac": 0.25}
     loop = FmaPeakLoop(1)
     assert loop.flops > 0 and loop.run() > 0
+
+
+def test_every_benchmark_records_the_peaks_median_run_beside_its_best(monkeypatch):
+    """environment() keeps the best of 20 peak runs (what fractions divide by) and their median."""
+    import bench.common as common
+    runs = iter([[10.0, 30.0, 20.0], [40.0, 80.0, 60.0]])
+    monkeypatch.setattr(common, "fma_peak_runs", lambda threads: next(runs))
+    monkeypatch.setattr(common, "lost_cpu_fraction", lambda threads: {"lost": 0.0, "worst_gap_ms": 0.0,
+                                                                       "threads": threads, "seconds": 0.0})
+    env = common.environment(2)
+    assert env["fma_peak_gflops"] == {"1": 30.0, "2": 80.0}
+    assert env["fma_peak_median_gflops"] == {"1": 20.0, "2": 60.0}
