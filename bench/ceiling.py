@@ -4,7 +4,8 @@ Issue 19's bar is a fraction of the FMA peak, the best of 20 short runs of indep
 (common.measure_fma_peak). Two questions decide what a tuned kernel's fraction says about the search:
 
 1. How far the other runs of the peak fall below their best. On a shared VM a vCPU is lent, not owned:
-   where the median run of the peak loop itself is at 0.89 of the best, no kernel holds 0.93 for long.
+   where the median run of the peak loop itself is at 0.89 of the best (the Xeon VM of 2026-11-26:
+   0.83-0.96), no kernel holds 0.93 for long.
    The runs of the peak loop and batches of each kernel (each about 5 ms) take turns, 20 rounds, so a
    slow moment of the host falls on all of them; each series reports its best, median, lower quartile
    and worst as fractions of the best peak run.

@@ -189,12 +189,12 @@ def _first_loads(e: Expr) -> dict[str, list]:
 class _BodyFacts:
     """What the features need of a stage body before its loop values go in: substituting the values
     (new nodes for every index of a 16 000-node Winograd transform) and walking the result was most of
-    a template's making, and it changes nothing but the index expressions. Loop values are never
-    constants (each holds a loop variable), so substitution folds nothing: the substituted body's
-    tree counts are these plus each variable's occurrences times its value's counts, and its first
-    loads are these with the values put into their indices. Except where a loop fused from one of
-    extent 1 makes a value the constant 0 (a whole reduction's outer tile fused with a spatial loop):
-    substitution then folds `k.0 * 96 + k.1` to `k.1`, so that body is walked as substituted."""
+    a template's making, and it changes nothing but the index expressions. Loop values hold a loop
+    variable, so substitution folds nothing: the substituted body's tree counts are these plus each
+    variable's occurrences times its value's counts, and its first loads are these with the values put
+    into their indices. The one exception: a loop of extent 1 fused into another has the value 0 (a
+    reduction drawn as one tile, its outer loop fused with a spatial one in an rfactor sketch), and
+    substitution folds `k.0 * 64 + k.1` to `k.1`; such a body is walked as substituted."""
     body: Expr
     ops: _OpCounts
     occurrences: dict[Var, int]
