@@ -25,14 +25,11 @@ import argparse
 import ctypes
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
-import llvmlite.binding as llvm
 import numpy as np
 
-from bench.common import FmaPeakLoop, environment, print_table, write_json
-from tensortune.codegen.llvm_backend import _init, _new_target_machine, compile_ir
+from bench.common import FmaPeakLoop, _perf_clock, environment, jit_function, print_table, write_json
 from tensortune.codegen.target import parse_target
 
 ROUNDS = 20                   # rounds of one peak run and one batch of each kernel, as the peak takes 20
@@ -130,18 +127,11 @@ class RegisterKernel:
     a parallel matmul's threads own their rows of A and C)."""
 
     def __init__(self, place: Placement, threads: int, seed: int = 0):
-        _init()
         target = parse_target("llvm")
         self.rows, self.vecs, self.lanes = register_block(target.hardware.vector_unit_bytes)
         self.place, self.threads, self.n = place, threads, self.vecs * self.lanes
-        obj = compile_ir(kernel_ir(self.rows, self.vecs, self.lanes, place.k, place.lda, target.cpu,
-                                   target.features), target)
-        self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""),
-                                                  _new_target_machine(target.cpu, target.features))
-        self._engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
-        self._engine.finalize_object()
-        self._fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)(
-            self._engine.get_function_address("kernel_threads"))
+        ir = kernel_ir(self.rows, self.vecs, self.lanes, place.k, place.lda, target.cpu, target.features)
+        self._engine, self._fn = jit_function(ir, "kernel_threads", ctypes.c_void_p, ctypes.c_int32)
         rng = np.random.default_rng(seed)
         a_len = (place.blocks - 1) * place.a_step + (self.rows - 1) * place.lda + place.k
         b_len = (place.blocks - 1) * place.b_step + place.k * self.n
@@ -186,16 +176,11 @@ class RegisterKernel:
 
     def calls_per_batch(self) -> int:
         """Calls that make one timed batch last about as long as a run of the peak loop."""
-        t0 = time.perf_counter()
-        self()
-        return max(1, round(BATCH_SECONDS / max(time.perf_counter() - t0, 1e-6)))
+        return max(1, round(BATCH_SECONDS / max(_perf_clock(self, 1), 1e-6)))
 
     def batch(self, calls: int) -> float:
-        """GFLOP/s of one batch of `calls` calls."""
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            self()
-        return self.flops * calls / (time.perf_counter() - t0) / 1e9
+        """GFLOP/s of one batch of `calls` calls (bench.common's host clock, as the peak's runs)."""
+        return self.flops * calls / _perf_clock(self, calls) / 1e9
 
 
 def _aligned(x: np.ndarray) -> np.ndarray:

@@ -423,6 +423,23 @@ def fma_peak_runs(threads: int, runs: int = 20) -> list[float]:
     return [loop.run() for _ in range(runs)]
 
 
+def jit_function(ir: str, symbol: str, *argtypes) -> tuple[object, Callable]:
+    """(engine, `symbol` as a void ctypes function of `argtypes`): the IR optimised at O3 for this
+    machine and loaded into its own MCJIT engine, which must outlive the function."""
+    import ctypes
+
+    import llvmlite.binding as llvm
+
+    from tensortune.codegen.llvm_backend import _init, _new_target_machine, compile_ir
+    from tensortune.codegen.target import parse_target
+    _init()
+    target = parse_target("llvm")
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _new_target_machine(target.cpu, target.features))
+    engine.add_object_file(llvm.ObjectFileRef.from_data(compile_ir(ir, target)))
+    engine.finalize_object()
+    return engine, ctypes.CFUNCTYPE(None, *argtypes)(engine.get_function_address(symbol))
+
+
 class FmaPeakLoop:
     """The peak loop of measure_fma_peak compiled for the host, run once on `threads` threads as a
     warm-up; run() times one more run (about 5 ms)."""
@@ -431,11 +448,7 @@ class FmaPeakLoop:
     def __init__(self, threads: int):
         import ctypes
 
-        import llvmlite.binding as llvm
-
-        from tensortune.codegen.llvm_backend import _init, _new_target_machine, compile_ir
         from tensortune.codegen.target import parse_target
-        _init()
         target = parse_target("llvm")
         lanes = max(4, target.hardware.vector_unit_bytes // 4)
         n_acc = 16 if lanes >= 16 else 12
@@ -450,13 +463,7 @@ class FmaPeakLoop:
         ir = (_PEAK_IR.replace("ACC_PHIS", phis).replace("FMAS", fmas).replace("SUMS", sums)
               .replace("VEC", vec).replace("vWf32", f"v{lanes}f32").replace("BITS", str(lanes * 32))
               .replace("CPU", target.cpu).replace("FEATURES", target.features))
-        obj = compile_ir(ir, target)
-        self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""),
-                                                  _new_target_machine(target.cpu, target.features))
-        self._engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
-        self._engine.finalize_object()
-        self._fn = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int32)(
-            self._engine.get_function_address("peak_threads"))
+        self._engine, self._fn = jit_function(ir, "peak_threads", ctypes.c_int64, ctypes.c_int32)
         self.threads, self.flops = threads, self.ITERS * n_acc * lanes * 2 * threads
         self._fn(self.ITERS, threads)
 
