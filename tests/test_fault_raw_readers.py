@@ -130,12 +130,14 @@ def _writer(root: str, number: int, reading) -> None:
         time.sleep(0.01)
 
 
-def _compactor(root: str, stop, out) -> None:
+def _compactor(root: str, stop, out, merging) -> None:
     store = RecordStore(root, auto_compact=None, durable=False)
     merged = held = 0
     while not stop.is_set():
         stats = store.compact(small_file_bytes=1 << 30)
         merged, held = merged + stats.input_files, held + stats.held
+        if merged:
+            merging.set()
         time.sleep(0.05)
     out.put(("compactor", merged, held))
 
@@ -166,15 +168,18 @@ def test_writers_compaction_and_a_raw_pandas_reader(tmp_path):
     first = synthetic_batch(np.random.default_rng(99), BATCH, flow_run_id="before")
     RecordStore(root, durable=False).append(first)                  # the reader's first read has rows
     context = multiprocessing.get_context("spawn")
-    stop, out, reading = context.Event(), context.Queue(), context.Event()
+    stop, out, reading, merging = context.Event(), context.Queue(), context.Event(), context.Event()
     writers = [context.Process(target=_writer, args=(root, n, reading)) for n in range(WRITERS)]
-    others = [context.Process(target=_compactor, args=(root, stop, out)),
+    others = [context.Process(target=_compactor, args=(root, stop, out, merging)),
               context.Process(target=_raw_reader, args=(root, stop, out, reading))]
     for process in others + writers:
         process.start()
     for process in writers:
         process.join(timeout=180)
         assert process.exitcode == 0
+    # the reader keeps reading until the compactor has merged once: on a loaded 2-core machine the
+    # writers could finish before the compactor's first merge got between the reader's holds
+    merging.wait(timeout=60)
     stop.set()
     reports = {report[0]: report[1:] for report in (out.get(timeout=120), out.get(timeout=120))}
     for process in others:
