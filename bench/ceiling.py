@@ -1,7 +1,7 @@
 """`python -m bench ceiling`: what a register kernel reaches on this machine, and how steady its peak is.
 
 Issue 19's bar is a fraction of the FMA peak, the best of 20 short runs of independent FMAs
-(common.measure_fma_peak). Two questions decide what a tuned kernel's fraction says about the search:
+(common.fma_peak_runs). Two questions decide what a tuned kernel's fraction says about the search:
 
 1. How far the other runs of the peak fall below their best. On a shared VM a vCPU is lent, not owned:
    where the median run of the peak loop itself is at 0.89 of the best (the Xeon VM of 2026-11-26:
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench.common import FmaPeakLoop, _perf_clock, environment, jit_function, print_table, write_json
+from tensortune.codegen.alignment import aligned
 from tensortune.codegen.target import parse_target
 
 ROUNDS = 20                   # rounds of one peak run and one batch of each kernel, as the peak takes 20
@@ -76,10 +77,10 @@ def kernel_ir(rows: int, vecs: int, lanes: int, k: int, lda: int, cpu: str, feat
     body = ["  %tid = call i32 @omp_get_thread_num()",
             "  %slot = mul i32 %tid, 6",
             "  %s = sext i32 %slot to i64"]
+    body.append("  %mine = getelementptr i64, ptr %args, i64 %s")
     for f, name in enumerate(("a", "b", "c", "blocks", "astep", "bstep")):
-        body.append(f"  %p{name} = getelementptr i64, ptr %args, i64 %s")
-        body.append(f"  %q{name} = getelementptr i64, ptr %p{name}, i64 {f}")
-        body.append(f"  %{name} = load i64, ptr %q{name}")
+        body.append(f"  %p{name} = getelementptr i64, ptr %mine, i64 {f}")
+        body.append(f"  %{name} = load i64, ptr %p{name}")
     body += ["  %A = inttoptr i64 %a to ptr", "  %B = inttoptr i64 %b to ptr", "  %C = inttoptr i64 %c to ptr",
              "  br label %block", "block:",
              "  %r = phi i64 [0, %entry], [%r.next, %store]",
@@ -135,9 +136,9 @@ class RegisterKernel:
         rng = np.random.default_rng(seed)
         a_len = (place.blocks - 1) * place.a_step + (self.rows - 1) * place.lda + place.k
         b_len = (place.blocks - 1) * place.b_step + place.k * self.n
-        self.a = [_aligned(rng.random(a_len, dtype=np.float32)) for _ in range(threads)]
-        self.b = [_aligned(rng.random(b_len, dtype=np.float32)) for _ in range(threads)]
-        self.c = [_aligned(np.zeros(self.rows * self.n, np.float32)) for _ in range(threads)]
+        self.a = [aligned(rng.random(a_len, dtype=np.float32)) for _ in range(threads)]
+        self.b = [aligned(rng.random(b_len, dtype=np.float32)) for _ in range(threads)]
+        self.c = [aligned(np.zeros(self.rows * self.n, np.float32)) for _ in range(threads)]
         self._args = np.array([[x.ctypes.data for x in (a, b, c)] + [place.blocks, place.a_step, place.b_step]
                                for a, b, c in zip(self.a, self.b, self.c)], dtype=np.int64)
 
@@ -181,15 +182,6 @@ class RegisterKernel:
     def batch(self, calls: int) -> float:
         """GFLOP/s of one batch of `calls` calls (bench.common's host clock, as the peak's runs)."""
         return self.flops * calls / _perf_clock(self, calls) / 1e9
-
-
-def _aligned(x: np.ndarray) -> np.ndarray:
-    """A 64-byte aligned copy of a 1-D float32 array."""
-    buf = np.empty(x.size + 16, np.float32)
-    off = (-buf.ctypes.data // 4) % 16
-    out = buf[off:off + x.size]
-    out[:] = x
-    return out
 
 
 def spread(runs: list[float], peak: float) -> dict:

@@ -408,17 +408,11 @@ attributes #0 = { nounwind "target-cpu"="CPU" "target-features"="FEATURES" "pref
 """
 
 
-def measure_fma_peak(threads: int) -> float:
-    """GFLOP/s of independent chains of native-width FMAs on `threads` threads (the machine's fp32 peak):
-    16 chains of 16 floats with AVX-512 (32 registers), 12 of 8 with AVX2 (16 registers), enough to
-    cover two FMA pipes' latency without spilling. The best of 20 short runs: the peak is what the
-    machine can do, and other tenants only slow it (a bound, not a speed compared with anything).
-    How far the other runs fall below it: `python -m bench ceiling`."""
-    return max(fma_peak_runs(threads))
-
-
 def fma_peak_runs(threads: int, runs: int = 20) -> list[float]:
-    """GFLOP/s of `runs` runs of the peak loop (measure_fma_peak takes the best)."""
+    """GFLOP/s of `runs` short runs of the peak loop (FmaPeakLoop) on `threads` threads. The machine's
+    fp32 peak is the best of them (environment's `fma_peak_gflops`): the peak is what the machine can
+    do, and other tenants only slow it (a bound, not a speed compared with anything). How far the other
+    runs fall below it: their median beside it, and `python -m bench ceiling`."""
     loop = FmaPeakLoop(threads)
     return [loop.run() for _ in range(runs)]
 
@@ -441,8 +435,9 @@ def jit_function(ir: str, symbol: str, *argtypes) -> tuple[object, Callable]:
 
 
 class FmaPeakLoop:
-    """The peak loop of measure_fma_peak compiled for the host, run once on `threads` threads as a
-    warm-up; run() times one more run (about 5 ms)."""
+    """Independent chains of native-width FMAs: 16 chains of 16 floats with AVX-512 (32 registers), 12
+    of 8 with AVX2 (16 registers), enough to cover two FMA pipes' latency without spilling. Compiled
+    for the host and run once on `threads` threads as a warm-up; run() times one more run (about 5 ms)."""
     ITERS = 2_000_000
 
     def __init__(self, threads: int):
