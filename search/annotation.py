@@ -6,12 +6,12 @@ outer loops, vectorise the inner ones, choose an auto-unroll depth. Every rule k
 """
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import replace as dc_replace
 
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
-from tensortune.schedule.steps import SplitStep
 from tensortune.search import utils
 from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import Sketch
@@ -46,38 +46,53 @@ REGISTER_TILE_TRIES = 32
 
 
 def fill_tile_sizes(sketch: Sketch, rng: random.Random, max_innermost: int) -> list:
-    """The sketch's steps with every open split filled by a random factorisation of its extent."""
+    """The sketch's steps with every open split filled by a random factorisation of its extent.
+    The redraws below pick length tuples only; each split step is made once at the end (a dataclass
+    `replace` per redraw was a sixth of drawing a program)."""
     steps = list(sketch.state.steps)
+    lengths: dict[int, tuple[int, ...]] = {}
 
-    def draw(i: int) -> SplitStep:
+    def draw(i: int) -> tuple[int, ...]:
         st = sketch.state.steps[i]
-        assert isinstance(st, SplitStep)
-        schemes = utils.factorization_schemes(st.extent, len(st.lengths), max_innermost)
         lanes = sketch.vector_lanes.get(i)
         if lanes and rng.random() < VECTOR_TILE_BIAS:
-            schemes = tuple(s for s in schemes if s[-1] % lanes == 0) or schemes
-        return dc_replace(st, lengths=rng.choice(schemes))
+            return rng.choice(_schemes_ending_in_lanes(st.extent, len(st.lengths), max_innermost, lanes))
+        return rng.choice(utils.factorization_schemes(st.extent, len(st.lengths), max_innermost))
 
     for i in sketch.tunable:
-        steps[i] = draw(i)
+        lengths[i] = draw(i)
     low, high = sketch.vector_registers // 4, sketch.vector_registers * 3 // 4
     for group in sketch.register_tiles:
         if rng.random() >= REGISTER_TILE_BIAS:
             continue
         for _ in range(REGISTER_TILE_TRIES):
-            if low <= accumulator_vectors(sketch, steps, group) <= high:
+            if low <= _accumulators(sketch, lengths, group) <= high:
                 break
             for i in group:
-                steps[i] = draw(i)
+                lengths[i] = draw(i)
+    for i, ls in lengths.items():
+        steps[i] = dc_replace(steps[i], lengths=ls)
     return steps
+
+
+@functools.lru_cache(maxsize=4096)
+def _schemes_ending_in_lanes(extent: int, n_lengths: int, max_innermost: int, lanes: int
+                             ) -> tuple[tuple[int, ...], ...]:
+    """The factorisations whose innermost tile is whole vectors (all of them where none is)."""
+    schemes = utils.factorization_schemes(extent, n_lengths, max_innermost)
+    return tuple(s for s in schemes if s[-1] % lanes == 0) or schemes
 
 
 def accumulator_vectors(sketch: Sketch, steps: list, group: tuple[int, ...]) -> int:
     """Vector registers the innermost tiles of `group`'s splits hold: their product, the vectorised
     axis's tile in whole vectors."""
+    return _accumulators(sketch, {i: steps[i].lengths for i in group}, group)
+
+
+def _accumulators(sketch: Sketch, lengths: dict[int, tuple[int, ...]], group: tuple[int, ...]) -> int:
     n = 1
     for i in group:
-        inner = steps[i].lengths[-1]
+        inner = lengths[i][-1]
         lanes = sketch.vector_lanes.get(i)
         n *= -(-inner // lanes) if lanes else inner
     return n
