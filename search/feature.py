@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -140,30 +140,35 @@ def _op_field(n: Expr) -> str | None:
 
 def _count_ops(e: Expr) -> _OpCounts:
     """Operations of `e` as a tree (see `_tree_counts`)."""
-    return _tree_counts(e)[0]
+    return _tree_counts([(e, 1)])[0]
 
 
-def _tree_counts(e: Expr) -> tuple[_OpCounts, dict[Var, int]]:
-    """Operations of `e` as a tree, and how often each variable occurs in it: a subtree shared by two
-    parents counts twice. Substituted loop values make index expressions share large subtrees, so each
-    distinct node is looked at once and counted as often as paths from the root reach it (parents
-    before children: reversed postorder)."""
+def _tree_counts(roots: Sequence[tuple[Expr, int]]) -> tuple[_OpCounts, dict[Var, int]]:
+    """Operations of the trees `roots` (each counted `weight` times), and how often each variable occurs
+    in them: a subtree shared by two parents counts twice. Substituted loop values make index
+    expressions share large subtrees, so each distinct node is looked at once and counted as often as
+    paths from the roots reach it (parents before children: reversed postorder). Many roots in one walk:
+    a stage's loop values share their subtrees too (a fused loop's value is in several axes' values,
+    an attached stage's region start holds its reader's index), and walking each value alone was a
+    third of making a conv's templates."""
     order: list[Expr] = []
     seen: set[int] = set()
-    stack: list[tuple[Expr, bool]] = [(e, False)]
-    while stack:
-        node, done = stack.pop()
-        if done:
-            order.append(node)
-        elif id(node) not in seen:
-            seen.add(id(node))
-            stack.append((node, True))
-            stack.extend((k, False) for k in te.children(node) if id(k) not in seen)
-    paths = {id(e): 1}
+    paths: dict[int, int] = {}
+    for e, weight in roots:
+        paths[id(e)] = paths.get(id(e), 0) + weight
+        stack: list[tuple[Expr, bool]] = [(e, False)]
+        while stack:
+            node, done = stack.pop()
+            if done:
+                order.append(node)
+            elif id(node) not in seen:
+                seen.add(id(node))
+                stack.append((node, True))
+                stack.extend((k, False) for k in te.children(node) if id(k) not in seen)
     c = _OpCounts()
     occurrences: dict[Var, int] = {}
     for node in reversed(order):
-        k = paths[id(node)]
+        k = paths.get(id(node), 0)
         if isinstance(node, Var):
             occurrences[node] = k
             continue
@@ -193,28 +198,35 @@ class _BodyFacts:
     variable, so substitution folds nothing: the substituted body's tree counts are these plus each
     variable's occurrences times its value's counts, and its first loads are these with the values put
     into their indices. The one exception: a loop of extent 1 fused into another has the value 0 (a
-    reduction drawn as one tile, its outer loop fused with a spatial one in an rfactor sketch), and
-    substitution folds `k.0 * 64 + k.1` to `k.1`; such a body is walked as substituted."""
+    reduction drawn as one tile, its outer loop fused with a spatial one in an rfactor sketch; an axis
+    of extent 1, such as a batch of one), and substitution folds `k.0 * 64 + k.1` to `k.1`. Those
+    constants go in first, and the facts of the folded body are kept per set of constants: the other
+    values then fold nothing, as above. (Walking each such body as substituted took a third of making
+    a conv's templates, every conv with a batch of one having the constant.)"""
     body: Expr
     ops: _OpCounts
     occurrences: dict[Var, int]
     first_loads: dict[str, list]
+    folded: dict[tuple, "_BodyFacts"] = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
     def of(body: Expr) -> "_BodyFacts":
-        ops, occurrences = _tree_counts(body)
+        ops, occurrences = _tree_counts([(body, 1)])
         return _BodyFacts(body, ops, occurrences, _first_loads(body))
 
     def substituted(self, values: dict) -> tuple[_OpCounts, dict[str, list]]:
         """(op counts, first loads) of the body with `values` (root axis -> expression) put in."""
-        if any(isinstance(values.get(var), te.Const) for var in self.occurrences):
-            src = te.substitute(self.body, values)
-            return _count_ops(src), _first_loads(src)
+        consts = tuple((var, c.value, c.dtype) for var in self.occurrences
+                       if isinstance(c := values.get(var), te.Const))
+        if consts:
+            facts = self.folded.get(consts)
+            if facts is None:
+                folded = te.substitute(self.body, {v: values[v] for v, _, _ in consts})
+                facts = self.folded[consts] = _BodyFacts.of(folded)
+            return facts.substituted(values)
         ops = _OpCounts(self.ops)
-        for var, k in self.occurrences.items():
-            if var in values:
-                for f, n in _count_ops(values[var]).items():
-                    ops[f] += k * n
+        for f, n in _tree_counts([(values[var], k) for var, k in self.occurrences.items() if var in values])[0].items():
+            ops[f] += n
         loads = {t: [[te.substitute(i, values) for i in idx] for idx in lst] for t, lst in self.first_loads.items()}
         return ops, loads
 

@@ -14,7 +14,14 @@ import pytest
 import tensortune.search.feature as feature_module
 from tensortune.codegen.target import make_task
 from tensortune.search.candidate import Candidate
-from tensortune.search.feature import FeatureExtractor, FeatureTemplate, _BodyFacts, _count_ops, _first_loads
+from tensortune.search.feature import (
+    FeatureExtractor,
+    FeatureTemplate,
+    _BodyFacts,
+    _count_ops,
+    _first_loads,
+    _tree_counts,
+)
 from tensortune.search.mutation import crossover, mutate_auto_unroll, mutate_tile_size
 from tensortune.search.sketch_policy import SketchPolicy
 from tensortune.tasks import te
@@ -151,3 +158,35 @@ def test_body_facts_of_a_loop_value_that_is_the_constant_zero_fold_as_substituti
     assert {k: v for k, v in ops.items() if v} == {k: v for k, v in reference_count_ops(src).items() if v}
     assert "int_mul" not in {k for k, v in ops.items() if v}
     assert [te.structural_key(i) for i in loads["data"][0]] == [te.structural_key(i) for i in (f, k1)]
+
+
+def test_one_walk_of_many_weighted_roots_counts_each_tree_as_often_as_its_weight():
+    """Loop values are counted in one walk (they share subtrees, and one root may lie inside another):
+    the same op counts and variable occurrences as counting each tree alone, times its weight."""
+    i, j = te.Var("i"), te.Var("j")
+    inner = i * 8 + j
+    outer = (inner // 4) * 3 + inner % 4
+    roots = [(outer, 2), (inner, 3), (j * 5, 1)]
+    ops, occurrences = _tree_counts(roots)
+    want: dict[str, int] = {}
+    for e, w in roots:
+        for f, n in reference_count_ops(e).items():
+            want[f] = want.get(f, 0) + w * n
+    assert {k: v for k, v in ops.items() if v} == {k: v for k, v in want.items() if v}
+    assert occurrences == {i: 2 * 2 + 3, j: 2 * 2 + 3 + 1}
+
+
+def test_body_facts_keep_the_folded_body_per_set_of_constants_and_stay_exact_for_other_values():
+    """The constants fold into the body once; later calls with the same constants and other loop values
+    give what substituting everything at once gives."""
+    x, k0, k1, y = te.Var("x"), te.Var("k0"), te.Var("k1"), te.Var("y")
+    data = te.placeholder((4, 96), name="data")
+    body = te.binary("mul", data[x, k0 * 96 + k1], data[x, k1])
+    facts = _BodyFacts.of(body)
+    for values in ({x: y * 2 + 1, k0: te.const(0), k1: k1}, {x: y, k0: te.const(0), k1: k1 * 3 + y}):
+        ops, loads = facts.substituted(values)
+        src = te.substitute(body, values)
+        assert {k: v for k, v in ops.items() if v} == {k: v for k, v in reference_count_ops(src).items() if v}
+        assert [te.structural_key(i) for i in loads["data"][0]] == \
+            [te.structural_key(i) for i in reference_first_loads(src)["data"][0]]
+    assert len(facts.folded) == 1
