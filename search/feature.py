@@ -384,10 +384,6 @@ def _dyn_sources(dyn: list, n_prods: int) -> list[int]:
 
 
 _CURVE_AT = np.arange(1, CURVE_N + 1)[:, None] / CURVE_N      # the curve's points, fractions of all ops
-# compiled interval-bound functions by their source: structures of one task share most of their index
-# expressions, and the same source (symbols are named by step and loop) is the same function; compiling
-# one took a fifth of making a template
-_BOUNDS_FUNCTIONS: dict[str, Callable] = {}
 
 
 class FeatureTemplate:
@@ -574,11 +570,7 @@ class FeatureTemplate:
         if not outputs:
             return index, None, []
         source = "\n".join(comp.lines + outputs)
-        fn = _BOUNDS_FUNCTIONS.get(source)
-        if fn is None:
-            if len(_BOUNDS_FUNCTIONS) >= 4096:
-                _BOUNDS_FUNCTIONS.clear()
-            fn = _BOUNDS_FUNCTIONS[source] = comp.function(outputs)
+        fn = comp.function(outputs)                     # compiled once per source (symbolic.compiled)
         read = set(re.findall(r"X\['(\w+)'\]", source))
         return index, fn, [(x, self.ext[v]) for v, x in self._loop_names.items() if x in read]
 

@@ -36,10 +36,27 @@ def numpy_source(e, names: dict) -> str:
     raise TypeError(f"feature template cannot evaluate {type(e).__name__}")
 
 
+# compiled functions by their source: structures of one task share most of their loop nests and index
+# expressions, and the same source (symbols are named by step and loop) is the same function; Python's
+# compiler took a fifth of making a template, and half the sources of a conv's first round recur
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled(source: str, scope: dict[str, Any]) -> Callable:
+    """The function `f` that `source` defines (compiled once per source; `scope`: the names it uses)."""
+    fn = _COMPILED.get(source)
+    if fn is None:
+        if len(_COMPILED) >= 4096:
+            _COMPILED.clear()
+        exec(source, scope)  # noqa: S102 - source generated from our own expression trees
+        fn = _COMPILED[source] = scope["f"]
+    return fn
+
+
 def compile_exprs(exprs: list, names: dict):
     """One function computing all `exprs` from an env dict of arrays (straight-line numpy)."""
     body = ", ".join(numpy_source(x, names) for x in exprs)
-    return eval(f"lambda e: ({body},)", {"np": np})  # noqa: S307 - source generated from our own trees
+    return compiled(f"def f(e):\n    return ({body},)\n", {"np": np})
 
 
 @dataclass
@@ -119,9 +136,7 @@ class IntervalCompiler:
         """f(e, X): the `lines` so far, then the tuple of `outputs` (sources of expressions over them)."""
         src = "def f(e, X):\n" + "".join(f"    {line}\n" for line in self.lines)
         src += f"    return ({', '.join(outputs)},)\n"
-        scope: dict[str, Any] = {"np": np, "_min4": _min4, "_max4": _max4, "_mod_lo": _mod_lo, "_mod_hi": _mod_hi}
-        exec(src, scope)  # noqa: S102 - source generated from our own expression trees
-        return scope["f"]
+        return compiled(src, {"np": np, "_min4": _min4, "_max4": _max4, "_mod_lo": _mod_lo, "_mod_hi": _mod_hi})
 
     def _signed(self, e: Expr, ranging: frozenset) -> tuple[str, str, float]:
         """(lo, hi, a number no larger than lo)."""
