@@ -298,7 +298,7 @@ def in_network_breakdown(compiled, tasks) -> list[float | None]:
     """ms per call of each task inside the network (CompiledNetwork.profile: all its calls / weight), to
     set beside the tuner's task_best_ms; an attribution of the estimate's gap, never a compared speed.
     None for a task the network does not run (the other form of a group with alternatives)."""
-    spent = compiled.profile(repeat=5)
+    spent = compiled.profile()
     by_key = {k.workload_key: spent[i] / k.weight * 1e3 for i, k in enumerate(compiled.kernels)}
     return [by_key.get(t.workload_key) for t in tasks]
 

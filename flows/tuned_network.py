@@ -128,7 +128,7 @@ def measure_tuned_network(net: NetworkTasks, records: RecordStore | None, target
     steps, latency = best_records(records, chosen) if records is not None else ({}, {})
     compiled = build_network(net, steps, str(chosen), latency)     # latency: the faster of alternative forms
     result = compiled.check() if check else None
-    per_task = compiled.profile(repeat=3)
+    per_task = compiled.profile()
     runs = compiled.benchmark(repeat=repeat)
     tasks = [TaskTiming(k.name, k.weight, k.source, latency.get(k.workload_key, math.nan), per_task[i])
              for i, k in enumerate(compiled.kernels)]
