@@ -12,6 +12,7 @@ from dataclasses import replace as dc_replace
 
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
+from tensortune.schedule.steps import SplitStep
 from tensortune.search import utils
 from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import Sketch
@@ -54,6 +55,7 @@ def fill_tile_sizes(sketch: Sketch, rng: random.Random, max_innermost: int) -> l
 
     def draw(i: int) -> tuple[int, ...]:
         st = sketch.state.steps[i]
+        assert isinstance(st, SplitStep)
         lanes = sketch.vector_lanes.get(i)
         if lanes and rng.random() < VECTOR_TILE_BIAS:
             return rng.choice(_schemes_ending_in_lanes(st.extent, len(st.lengths), max_innermost, lanes))
@@ -71,7 +73,9 @@ def fill_tile_sizes(sketch: Sketch, rng: random.Random, max_innermost: int) -> l
             for i in group:
                 lengths[i] = draw(i)
     for i, ls in lengths.items():
-        steps[i] = dc_replace(steps[i], lengths=ls)
+        st = steps[i]
+        assert isinstance(st, SplitStep)
+        steps[i] = dc_replace(st, lengths=ls)
     return steps
 
 
