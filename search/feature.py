@@ -149,8 +149,8 @@ def _tree_counts(roots: Sequence[tuple[Expr, int]]) -> tuple[_OpCounts, dict[Var
     expressions share large subtrees, so each distinct node is looked at once and counted as often as
     paths from the roots reach it (parents before children: reversed postorder). Many roots in one walk:
     a stage's loop values share their subtrees too (a fused loop's value is in several axes' values,
-    an attached stage's region start holds its reader's index), and walking each value alone was a
-    third of making a conv's templates."""
+    an attached stage's region start holds its reader's index); walked one value at a time, they were
+    the largest single part of making a conv's template under cProfile."""
     order: list[Expr] = []
     seen: set[int] = set()
     paths: dict[int, int] = {}
@@ -200,9 +200,8 @@ class _BodyFacts:
     into their indices. The one exception: a loop of extent 1 fused into another has the value 0 (a
     reduction drawn as one tile, its outer loop fused with a spatial one in an rfactor sketch; an axis
     of extent 1, such as a batch of one), and substitution folds `k.0 * 64 + k.1` to `k.1`. Those
-    constants go in first, and the facts of the folded body are kept per set of constants: the other
-    values then fold nothing, as above. (Walking each such body as substituted took a third of making
-    a conv's templates, every conv with a batch of one having the constant.)"""
+    constants go in first, and the facts of the folded body are kept per set of constants (structures
+    of a sketch share them): the other values then fold nothing, as above."""
     body: Expr
     ops: _OpCounts
     occurrences: dict[Var, int]
