@@ -138,11 +138,6 @@ def _op_field(n: Expr) -> str | None:
     return None
 
 
-def _count_ops(e: Expr) -> _OpCounts:
-    """Operations of `e` as a tree (see `_tree_counts`)."""
-    return _tree_counts([(e, 1)])[0]
-
-
 def _tree_counts(roots: Sequence[tuple[Expr, int]]) -> tuple[_OpCounts, dict[Var, int]]:
     """Operations of the trees `roots` (each counted `weight` times), and how often each variable occurs
     in them: a subtree shared by two parents counts twice. Substituted loop values make index

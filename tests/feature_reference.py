@@ -2,8 +2,8 @@
 a frozen copy that tests/test_feature_fast.py compares the fast path with, bit for bit.
 
 `ReferenceTemplate` is a FeatureTemplate (the same structure analysis) whose evaluation is the old
-per-store, per-buffer code; `reference_count_ops` and `reference_first_loads` are the old walks of the whole
-expression tree. Nothing in the package uses this file.
+per-store, per-buffer code; `reference_count_ops`, `reference_tree_counts` and `reference_first_loads`
+are the old walks of the whole expression tree. Nothing in the package uses this file.
 """
 from __future__ import annotations
 
@@ -57,6 +57,20 @@ def reference_count_ops(e: Expr) -> _OpCounts:
                 c["int_mathfunc"] += 1
     return c
 
+
+
+def reference_tree_counts(roots) -> tuple[_OpCounts, dict]:
+    """`feature._tree_counts` by the old walk: every tree walked path by path, its op counts and its
+    variables' occurrences times its weight."""
+    c = _OpCounts()
+    occurrences: dict = {}
+    for e, weight in roots:
+        for f, n in reference_count_ops(e).items():
+            c[f] += weight * n
+        for n in te.walk(e):
+            if isinstance(n, Var):
+                occurrences[n] = occurrences.get(n, 0) + weight
+    return c, occurrences
 
 
 def reference_first_loads(e: Expr) -> dict[str, list]:

@@ -18,7 +18,6 @@ from tensortune.search.feature import (
     FeatureExtractor,
     FeatureTemplate,
     _BodyFacts,
-    _count_ops,
     _first_loads,
     _tree_counts,
 )
@@ -26,7 +25,12 @@ from tensortune.search.mutation import crossover, mutate_auto_unroll, mutate_til
 from tensortune.search.sketch_policy import SketchPolicy
 from tensortune.tasks import te
 from tensortune.tasks.workload_registry import make_dag
-from tests.feature_reference import ReferenceTemplate, reference_count_ops, reference_first_loads
+from tests.feature_reference import (
+    ReferenceTemplate,
+    reference_count_ops,
+    reference_first_loads,
+    reference_tree_counts,
+)
 
 TASKS = [
     ("matmul", (128, 256, 64), "llvm -num-threads=2"),
@@ -64,7 +68,7 @@ def _population(task, seed: int) -> list[Candidate]:
 def _reference(state, task) -> ReferenceTemplate:
     """A template made and evaluated entirely by the old code (its tree walks included)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(feature_module, "_count_ops", reference_count_ops)
+        mp.setattr(feature_module, "_tree_counts", reference_tree_counts)
         mp.setattr(feature_module, "_first_loads", reference_first_loads)
         return ReferenceTemplate(state, task)
 
@@ -139,8 +143,9 @@ def test_tree_walks_count_shared_subtrees_as_often_as_the_tree_holds_them():
     idx = i * 8 + j                       # one node: twice in each of three loads, once in the condition
     load = A[idx // 64, idx % 64]
     e = te.binary("add", te.binary("mul", load, load), te.if_then_else(te.compare("lt", idx, 5), load, 0.0))
-    assert dict(_count_ops(e)) == dict(reference_count_ops(e))
-    assert dict(_count_ops(e))["int_mul"] == 7 and dict(_count_ops(e))["float_mul"] == 1
+    ops = _tree_counts([(e, 1)])[0]
+    assert dict(ops) == dict(reference_count_ops(e))
+    assert ops["int_mul"] == 7 and ops["float_mul"] == 1
     first = _first_loads(e)
     assert list(first) == ["A"] and first["A"][0] is reference_first_loads(e)["A"][0]
 
