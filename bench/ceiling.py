@@ -222,7 +222,7 @@ def main(argv: list[str]) -> int:
                          "block": f"{kernel.rows}x{kernel.vecs} vectors of {kernel.lanes}"})
             print(f"  {threads} thread(s), {kernel.place.name}: best {max(out):.0f} GFLOP/s, "
                   f"{max(out) / best:.3f} of the peak", flush=True)
-    print(print_table(rows, ["threads", "case", "gflops", "peak_frac", "median_frac", "p25_frac", "worst_frac",
-                             "block"]))
+    print_table(rows, ["threads", "case", "gflops", "peak_frac", "median_frac", "p25_frac", "worst_frac",
+                       "block"])
     write_json(args.json, rows, env)
     return 0
