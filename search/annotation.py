@@ -68,7 +68,7 @@ def fill_tile_sizes(sketch: Sketch, rng: random.Random, max_innermost: int) -> l
         if rng.random() >= REGISTER_TILE_BIAS:
             continue
         for _ in range(REGISTER_TILE_TRIES):
-            if low <= _accumulators(sketch, lengths, group) <= high:
+            if low <= accumulator_vectors(sketch, lengths, group) <= high:
                 break
             for i in group:
                 lengths[i] = draw(i)
@@ -87,13 +87,9 @@ def _schemes_ending_in_lanes(extent: int, n_lengths: int, max_innermost: int, la
     return tuple(s for s in schemes if s[-1] % lanes == 0) or schemes
 
 
-def accumulator_vectors(sketch: Sketch, steps: list, group: tuple[int, ...]) -> int:
-    """Vector registers the innermost tiles of `group`'s splits hold: their product, the vectorised
-    axis's tile in whole vectors."""
-    return _accumulators(sketch, {i: steps[i].lengths for i in group}, group)
-
-
-def _accumulators(sketch: Sketch, lengths: dict[int, tuple[int, ...]], group: tuple[int, ...]) -> int:
+def accumulator_vectors(sketch: Sketch, lengths: dict[int, tuple[int, ...]], group: tuple[int, ...]) -> int:
+    """Vector registers the innermost tiles of `group`'s splits hold (`lengths`: step index -> the split's
+    lengths): their product, the vectorised axis's tile in whole vectors."""
     n = 1
     for i in group:
         inner = lengths[i][-1]

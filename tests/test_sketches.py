@@ -221,7 +221,7 @@ def test_register_tiles_are_drawn_to_fit_the_vector_registers(target, registers)
             draws = [fill_tile_sizes(sk, rng, 64) for _ in range(400)]
         finally:
             annotation.REGISTER_TILE_BIAS = old
-        blocks = [accumulator_vectors(sk, d, group) for d in draws]
+        blocks = [accumulator_vectors(sk, {i: d[i].lengths for i in group}, group) for d in draws]
         # the count by hand: i's innermost tile times j's, rounded up to whole vectors
         (i_split,) = set(group) - set(sk.vector_lanes)
         (j_split,) = sk.vector_lanes
