@@ -18,6 +18,7 @@ import statistics
 import sys
 
 from bench.common import environment, llvm_target, print_table, write_json
+from tensortune.tasks.winograd import parse_tiles
 
 
 def main(argv: list[str]) -> int:
@@ -25,6 +26,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("network", nargs="?", default="resnet-18")
     ap.add_argument("--records", required=True, help="the record store to resume from (e.g. ./tuning-records)")
     ap.add_argument("--image-size", type=int, default=32, help="the main job's default")
+    ap.add_argument("--winograd", metavar="TILES", type=parse_tiles, default=(),
+                    help="offer eligible convs' Winograd forms as tasks, as `tensortune tune --winograd` does")
     ap.add_argument("--trials", type=int, default=300,
                     help="the run's budget: sets the round size as the flow does (min(64, trials / tasks))")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -47,7 +50,7 @@ def main(argv: list[str]) -> int:
     from tensortune.storage.records import RecordStore
     from tensortune.tasks.graph_ops import GraphError
     try:
-        _, tasks = network_tasks(args.network, llvm_target(args.threads), image_size=args.image_size)
+        _, tasks = network_tasks(args.network, llvm_target(args.threads), args.winograd, image_size=args.image_size)
     except GraphError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -84,5 +87,6 @@ def main(argv: list[str]) -> int:
           f"median {statistics.median(r['search_s'] for r in rows):.2f} s; all tasks {min(totals):.2f}-"
           f"{max(totals):.2f} s over {args.passes} passes; programs {same} across passes ({digests[0]})")
     write_json(args.json, rows, env, benchmark="search", network=args.network, image_size=args.image_size,
+               winograd=list(args.winograd),
                records=os.path.abspath(args.records), stored_programs=history, totals_s=totals, digests=digests)
     return 0

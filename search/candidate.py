@@ -30,12 +30,12 @@ class Candidate:
     __slots__ = ("dag", "steps", "sketch", "_state", "_json", "structure", "_key")
 
     def __init__(self, dag: ComputeDAG, steps: tuple[Step, ...], sketch: int = -1, state: State | None = None,
-                 structure: str | None = None):
+                 structure: object = None):
         self.dag, self.steps, self.sketch = dag, tuple(steps), sketch
         self._state = state
         self._json: str | None = None
         self._key: StepsKey | None = None
-        self.structure = structure          # feature-template key; kept by number-only mutations
+        self.structure = structure          # its feature parts (FeatureExtractor.parts); kept by number-only mutations
 
     @staticmethod
     def of(state: State, sketch: int = -1) -> "Candidate":

@@ -25,7 +25,6 @@ enclosing loops, and its readers see a buffer the size of the region.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -36,7 +35,7 @@ from tensortune.schedule.loop_structure import loop_structure
 from tensortune.schedule.program import Program
 from tensortune.schedule.stage import Split
 from tensortune.schedule.state import State
-from tensortune.schedule.steps import FollowFusedSplitStep, FollowSplitStep, PragmaStep, RfactorStep, SplitStep, Step
+from tensortune.schedule.steps import FollowFusedSplitStep, FollowSplitStep, PragmaStep, SplitStep
 from tensortune.search.feature_layout import (
     BUF,
     BUFFER_FIELDS,
@@ -48,6 +47,7 @@ from tensortune.search.feature_layout import (
     OP_FIELDS,
     onehot_mask,
 )
+from tensortune.search.feature_parts import Part, ProgramParts, Readers, program_parts, slots, state_numbers
 from tensortune.search.symbolic import FreeVars, IntervalCompiler, compile_exprs, linear_form
 from tensortune.tasks import te
 from tensortune.tasks.search_task import SearchTask
@@ -56,51 +56,6 @@ from tensortune.tasks.te import DTYPE_BYTES, Expr, Var
 _GPU_AXES = ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y", "threadIdx.z")
 _ANNOTATION_GROUPS = (("vectorize", "vec"), ("unroll", "unroll"), ("parallel", "parallel"))   # loop kind, group
 _ONEHOT = np.array(onehot_mask())
-
-
-def _structural_split(state: Program, i: int) -> bool:
-    """A split whose lengths shape an operator (the one feeding an rfactor) is part of the structure."""
-    return i + 1 < len(state.steps) and isinstance(state.steps[i + 1], RfactorStep)
-
-
-def structure_key(state: Program) -> str:
-    """Equal for states that differ only in tile sizes and unroll depths."""
-    key = []
-    for i, st in enumerate(state.steps):
-        if isinstance(st, SplitStep) and not _structural_split(state, i):
-            key.append(["SP", st.stage_id, st.iter_id, st.extent, len(st.lengths), int(st.inner_to_outer)])
-        elif isinstance(st, PragmaStep) and st.pragma.startswith("auto_unroll_max_step"):
-            key.append(["PR", st.stage_id, st.iter_id])
-        else:
-            key.append(st.to_json())
-    return json.dumps(key, separators=(",", ":"))
-
-
-def _slots(state: Program) -> list[tuple[int, int]]:
-    """(step index, position) of every number a structure leaves open; position -1 = pragma value."""
-    out = []
-    for i, st in enumerate(state.steps):
-        if isinstance(st, SplitStep) and not _structural_split(state, i):
-            out += [(i, k) for k in range(len(st.lengths))]
-        elif isinstance(st, PragmaStep) and st.pragma.startswith("auto_unroll_max_step"):
-            out.append((i, -1))
-    return out
-
-
-def state_numbers(state: Program, slots: list[tuple[int, int]]) -> list[int]:
-    return [_slot_number(state.steps[i], k) for i, k in slots]
-
-
-def _slot_number(st: Step, k: int) -> int:
-    """The number at one slot (see `_slots`): a split's k-th length, or (k = -1) a pragma's value."""
-    if k < 0 and isinstance(st, PragmaStep):
-        return st.parsed()[1]
-    if k >= 0 and isinstance(st, SplitStep):
-        length = st.lengths[k]
-        if length is None:
-            raise ValueError("a split with an open length has no features")
-        return length
-    raise TypeError(f"slot {k} of a {type(st).__name__} holds no number")
 
 
 # ------------------------------------------------------------------------------------ op counts
@@ -383,13 +338,18 @@ _CURVE_AT = np.arange(1, CURVE_N + 1)[:, None] / CURVE_N      # the curve's poin
 class FeatureTemplate:
     """Features of every state with one structure, as a function of its open numbers."""
 
-    def __init__(self, state: State, task: SearchTask, body_facts: Callable[[Expr], _BodyFacts] = _BodyFacts.of):
-        self.slots = _slots(state)
+    def __init__(self, state: State, task: SearchTask, body_facts: Callable[[Expr], _BodyFacts] = _BodyFacts.of,
+                 part: Part | None = None):
+        """`part` (of `state`, `feature_parts.program_parts`): the rows of its stores alone, as a function
+        of its open numbers. The program's other numbers are symbols too, which no evaluation binds: a
+        feature that depended on one would fail to evaluate, not quietly keep this program's value."""
+        every_slot = slots(state)
+        self.slots = list(part.slots) if part is not None else every_slot
         self.is_gpu = task.target_kind == "cuda"
         self.cache_line = task.hardware.cache_line_bytes
         names: dict[Var, str] = {}
         sym: dict[tuple[int, int], Var] = {}
-        for i, k in self.slots:
+        for i, k in every_slot:
             v = Var(f"L{i}_{k}" if k >= 0 else f"P{i}")
             sym[(i, k)], names[v] = v, v.name
         self._slot_syms = [sym[slot] for slot in self.slots]
@@ -399,14 +359,16 @@ class FeatureTemplate:
 
         # stage ids do not move after the annotation steps, so a pragma step's stage is final
         pragma_sym: dict[str, Var] = {}
-        for i, k in self.slots:
+        for i, k in every_slot:
             step = state.steps[i]
             if k < 0 and isinstance(step, PragmaStep):
                 pragma_sym[state.stages[step.stage_id].name] = sym[(i, -1)]
         self._tensor_shapes = {st.name: list(st.op.shape) for st in state.stages}
         bodies = state.effective_bodies()
         outputs = {t.name for t in task.dag.args}
-        self.stage_names = [s.name for s in state.stages if not s.is_placeholder and s.compute_at != "inline"]
+        mine = set(part.stages) if part is not None else range(len(state.stages))
+        self.stage_names = [s.name for i, s in enumerate(state.stages)
+                            if i in mine and not s.is_placeholder and s.compute_at != "inline"]
         self.shapes: dict[str, list] = {}
         self.region_syms: dict[str, list[Var]] = {}
         self.ext: dict[Var, object] = {}
@@ -415,7 +377,7 @@ class FeatureTemplate:
         values: dict[str, dict] = {}
         by_name = {s.name: s for s in state.stages}
         for s in state.stages:
-            if s.is_placeholder:
+            if s.is_placeholder or s.compute_at == "root":     # (a part's stages: set again below)
                 self.shapes[s.name] = list(s.op.shape)
         for name in self.stage_names:
             st = by_name[name]
@@ -466,6 +428,8 @@ class FeatureTemplate:
                 if buf == name:
                     continue
                 dtype = by_name[buf].op.dtype if buf in by_name else "float32"
+                if buf in by_name and by_name[buf].compute_at == "iter" and buf not in self.region_syms:
+                    raise ValueError(f"{name} reads {buf}, computed inside another stage, from outside its part")
                 idx = idx_list[0]
                 if buf in self.region_syms:       # a region buffer: its enclosing loops only move the region
                     fixed = {v: te.const(0) for v, _, _ in nests[buf][:enclosing[buf]]}
@@ -979,53 +943,68 @@ class _BodyFactsCache:
 
 
 class FeatureExtractor:
-    """Features of many states: grouped by structure, one cached template per structure."""
+    """Features of many states, each program in parts (`feature_parts`): one cached template per part
+    structure, evaluated for every program that has such a part."""
 
     def __init__(self, task: SearchTask, max_templates: int = 20000):
         self.task = task
         self.templates: dict[str, FeatureTemplate] = {}
         self.max_templates = max_templates
         self.body_facts = _BodyFactsCache()
+        self.layouts: dict[str, Readers] = {}
+        self.n_initial = len(task.dag.tensors)
 
-    def template(self, state, key: str | None = None) -> FeatureTemplate:
-        """`state`: a State, or anything with `.steps` and a lazily replayed `.state` (a Candidate)."""
-        key = key or getattr(state, "structure", None) or structure_key(state)
+    def _readers(self, layout: str, program: Program) -> Readers:
+        hit = self.layouts.get(layout)
+        if hit is None:
+            hit = self.layouts[layout] = Readers.of(getattr(program, "state", program))
+        return hit
+
+    def parts(self, program: Program) -> ProgramParts:
+        """The parts of a State or a Candidate (kept on a Candidate: number-only mutations keep them)."""
+        got = getattr(program, "structure", None)
+        if got is None:
+            got = program_parts(program, self.n_initial, self._readers)
+            if hasattr(program, "structure"):
+                program.structure = got     # type: ignore[attr-defined]
+        return got
+
+    def groups(self, states: Sequence[Program]) -> dict[str, list[tuple[int, Part]]]:
+        """(position in `states`, part) of every part, by part structure."""
+        groups: dict[str, list[tuple[int, Part]]] = {}
+        for i, s in enumerate(states):
+            for part in self.parts(s).parts:
+                groups.setdefault(part.key, []).append((i, part))
+        return groups
+
+    @staticmethod
+    def numbers(states: Sequence[Program], members: list[tuple[int, Part]]) -> np.ndarray:
+        """The open numbers of parts of one structure: [len(members), slots]."""
+        n = len(members[0][1].slots)
+        return np.array([state_numbers(states[i], part.slots) for i, part in members],
+                        dtype=np.int64).reshape(len(members), n)
+
+    def evaluate(self, key: str, representative: Program | None, part: Part, numbers: np.ndarray) -> np.ndarray:
+        """Features [m, stores of the part, 164] of m parts of one structure; `representative` (the
+        program `part` is of) is replayed only if the structure has no template yet."""
         tpl = self.templates.get(key)
         if tpl is None:
             if len(self.templates) >= self.max_templates:
                 self.templates.clear()
-            tpl = self.templates[key] = FeatureTemplate(getattr(state, "state", state), self.task, self.body_facts)
-        return tpl
+            state = getattr(representative, "state", representative)
+            tpl = self.templates[key] = FeatureTemplate(state, self.task, self.body_facts, part)
+        return tpl(numbers)
 
     @staticmethod
-    def groups(states: Sequence[Program]) -> dict[str, list[int]]:
-        """Positions of `states` by structure key (kept on Candidates for the next call)."""
-        groups: dict[str, list[int]] = {}
-        for i, s in enumerate(states):
-            key = getattr(s, "structure", None)
-            if key is None:
-                key = structure_key(s)
-                if hasattr(s, "structure"):
-                    s.structure = key
-            groups.setdefault(key, []).append(i)
-        return groups
-
-    @staticmethod
-    def numbers(states: Sequence[Program], idx: list[int]) -> np.ndarray:
-        """The open numbers of states[idx] (one structure): [len(idx), slots]."""
-        slots = _slots(states[idx[0]])
-        return np.array([state_numbers(states[i], slots) for i in idx], dtype=np.int64).reshape(len(idx), len(slots))
-
-    def evaluate(self, key: str, representative, numbers: np.ndarray) -> np.ndarray:
-        """Features [m, n_stores, 164] of the m programs of one structure (`representative` is one of
-        them; it is replayed only if the structure has no template yet)."""
-        return self.template(representative, key)(numbers)
+    def place(rows: list[np.ndarray], members: list[tuple[int, Part]], block: np.ndarray) -> None:
+        """Put each member's rows of `block` (an `evaluate`) where they go among its program's."""
+        for (i, part), feats in zip(members, block):
+            rows[i][list(part.rows)] = feats
 
     def __call__(self, states: list) -> list[np.ndarray]:
-        """One [n_stores, 164] matrix per state."""
-        out: list[np.ndarray | None] = [None] * len(states)
-        for key, idx in self.groups(states).items():
-            feats = self.evaluate(key, states[idx[0]], self.numbers(states, idx))
-            for j, i in enumerate(idx):
-                out[i] = feats[j]
-        return out  # type: ignore[return-value]
+        """One [n_stores, 164] matrix per state, its stores in stage order."""
+        rows = [np.empty((self.parts(s).n_rows, N_FEATURES)) for s in states]
+        for key, members in self.groups(states).items():
+            i, part = members[0]
+            self.place(rows, members, self.evaluate(key, states[i], part, self.numbers(states, members)))
+        return rows

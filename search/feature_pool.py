@@ -1,12 +1,13 @@
 """Featurizer: the features of every task's programs, on all the machine's cores.
 
 Feature extraction is most of a search round (TVM runs it in a parallel_for over states). A round's
-programs fall into a few hundred structures; each structure is dealt to one helper process
-(`helper_pool.HelperPool`) by a stable hash of its key, so every helper keeps the templates of its own
-structures warm from call to call, and the calling process takes one share itself. Helpers get plain
-data (the task as JSON, and per structure its key, one program's steps and the numbers of all of them)
-and send back float32 features, which is what XGBoost reads anyway. A helper that dies costs nothing
-but time: its share is computed here.
+programs' parts fall into a few hundred structures (`feature_parts`); each structure is dealt to one
+helper process (`helper_pool.HelperPool`) by a stable hash of its key, so every helper keeps the
+templates of its own structures warm from call to call, and the calling process takes one share itself.
+Helpers get plain data (the task as JSON, and per part structure its key, one member's steps and part,
+and the numbers of all its members) and send back float32 features, which is what XGBoost reads anyway;
+the rows made here are float32 too, so a program's features are the same numbers whichever process made
+each part. A helper that dies costs nothing but time: its share is computed here.
 
 A Featurizer outlives cost-model versions (the flow loads a new model at every retrain), so its
 templates and helpers are made once per tuning run; the search samples on the same helpers
@@ -24,6 +25,8 @@ import numpy as np
 from tensortune.schedule.program import Program
 from tensortune.schedule.state import State
 from tensortune.search.feature import FeatureExtractor
+from tensortune.search.feature_layout import N_FEATURES
+from tensortune.search.feature_parts import Part
 from tensortune.search.helper_pool import HelperPool
 from tensortune.search.memory import paused_gc
 from tensortune.tasks.search_task import SearchTask
@@ -44,35 +47,33 @@ class Featurizer:
         return ex
 
     def __call__(self, task: SearchTask, states: Sequence[Program]) -> list[np.ndarray]:
-        """One [n_stores, 164] matrix per state."""
+        """One [n_stores, 164] float32 matrix per state (the same numbers whichever process made them)."""
         ex = self.extractor(task)
         groups = list(ex.groups(states).items())
         processes = self.helpers.processes
         ways = processes + 1 if processes and len(states) >= self.min_batch else 1
-        shares: list[list[tuple[str, list[int]]]] = [[] for _ in range(ways)]
-        for key, idx in groups:
-            shares[zlib.crc32(key.encode()) % ways].append((key, idx))
+        shares: list[list[tuple[str, list[tuple[int, Part]]]]] = [[] for _ in range(ways)]
+        for key, members in groups:
+            shares[zlib.crc32(key.encode()) % ways].append((key, members))
         pending: list[tuple[int, list, Future | None]] = []
         for worker in range(1, ways):
             if shares[worker]:
-                jobs = [(key, _steps_json(states[idx[0]]), ex.numbers(states, idx)) for key, idx in shares[worker]]
+                jobs = [(key, _steps_json(states[members[0][0]]), members[0][1], ex.numbers(states, members))
+                        for key, members in shares[worker]]
                 future = self.helpers.submit(worker - 1, _extract, task.workload_key, task.to_json(), jobs)
                 pending.append((worker, shares[worker], future))
-        out: list[np.ndarray | None] = [None] * len(states)
-        self._place(out, shares[0], [ex.evaluate(key, states[idx[0]], ex.numbers(states, idx))
-                                     for key, idx in shares[0]])
+        rows = [np.empty((ex.parts(s).n_rows, N_FEATURES), dtype=np.float32) for s in states]
+        for key, members in shares[0]:
+            i, part = members[0]
+            ex.place(rows, members, ex.evaluate(key, states[i], part, ex.numbers(states, members)))
         for worker, share, future in pending:
             feats = self.helpers.result(worker - 1, future)
             if feats is None:
-                feats = [ex.evaluate(key, states[idx[0]], ex.numbers(states, idx)) for key, idx in share]
-            self._place(out, share, feats)
-        return out  # type: ignore[return-value]
-
-    @staticmethod
-    def _place(out: list, share: list[tuple[str, list[int]]], feats: list[np.ndarray]) -> None:
-        for (_, idx), block in zip(share, feats):
-            for j, i in enumerate(idx):
-                out[i] = block[j]
+                feats = [ex.evaluate(key, states[members[0][0]], members[0][1], ex.numbers(states, members))
+                         for key, members in share]
+            for (key, members), block in zip(share, feats):
+                ex.place(rows, members, block)
+        return rows  # type: ignore[return-value]
 
     def close(self) -> None:
         """Stop the helper processes (they also stop when the pool is collected or at exit)."""
@@ -86,14 +87,14 @@ def _steps_json(program) -> str:
 _EXTRACTORS: dict[str, FeatureExtractor] = {}  # inside a helper process: its templates, per task
 
 
-def _extract(workload_key: str, task_json: str, jobs: list[tuple[str, str, np.ndarray]]) -> list[np.ndarray]:
-    """A helper's share: features of each structure's programs."""
+def _extract(workload_key: str, task_json: str, jobs: list[tuple[str, str, Part, np.ndarray]]) -> list[np.ndarray]:
+    """A helper's share: features of each part structure's members."""
     ex = _EXTRACTORS.get(workload_key)
     if ex is None:
         ex = _EXTRACTORS[workload_key] = FeatureExtractor(SearchTask.from_json(task_json))
     out = []
     with paused_gc():
-        for key, steps, numbers in jobs:
+        for key, steps, part, numbers in jobs:
             representative = None if key in ex.templates else State.from_json(ex.task.dag, steps)
-            out.append(ex.evaluate(key, representative, numbers).astype(np.float32))
+            out.append(ex.evaluate(key, representative, part, numbers).astype(np.float32))
     return out

@@ -21,6 +21,7 @@ from tensortune.search.feature import (
     _first_loads,
     _tree_counts,
 )
+from tensortune.search.feature_parts import state_numbers, structure_key
 from tensortune.search.mutation import crossover, mutate_auto_unroll, mutate_tile_size
 from tensortune.search.sketch_policy import SketchPolicy
 from tensortune.tasks import te
@@ -77,24 +78,31 @@ def _reference(state, task) -> ReferenceTemplate:
 def test_batched_features_equal_the_reference_bit_for_bit(name, args, target):
     task = make_task(make_dag(name, *args), target)
     programs = _population(task, seed=len(name))
-    ex = FeatureExtractor(task)
-    groups = ex.groups(programs)
+    groups = _structures(programs)
     assert len(groups) >= 2 and max(len(idx) for idx in groups.values()) >= 3
     for key, idx in groups.items():
-        numbers = ex.numbers(programs, idx)
         state = programs[idx[0]].state
-        fast = FeatureTemplate(state, task)(numbers)
+        fast_template = FeatureTemplate(state, task)
+        numbers = np.array([state_numbers(programs[i], fast_template.slots) for i in idx])
+        fast = fast_template(numbers)
         slow = _reference(state, task)(numbers)
         assert fast.shape == slow.shape
         assert np.isfinite(fast).all()
         assert np.array_equal(fast, slow), f"{name} on {target}: structure {key[:80]}... differs"
-    # and through the extractor (one template per structure, evaluated for all its members)
-    got = ex(programs)
+    # and through the extractor (one template per part structure, evaluated for all its members)
+    got = FeatureExtractor(task)(programs)
     for i in range(0, len(programs), 7):
-        state = programs[i].state
-        ref = _reference(state, task)
-        want = ref(np.array([[*ex.numbers(programs, [i])[0]]]))[0]
+        ref = _reference(programs[i].state, task)
+        want = ref(np.array([state_numbers(programs[i], ref.slots)]))[0]
         assert np.array_equal(got[i], want)
+
+
+def _structures(programs) -> dict[str, list[int]]:
+    """Positions of programs by whole-program structure."""
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(programs):
+        groups.setdefault(structure_key(p), []).append(i)
+    return groups
 
 
 class _CheckedFacts:
@@ -130,7 +138,7 @@ def test_body_facts_equal_walking_the_body_with_its_loop_values_put_in(name, arg
     task = make_task(make_dag(name, *args), target)
     programs = _population(task, seed=len(name) + 1)
     _CheckedFacts.checked = 0
-    groups = FeatureExtractor.groups(programs)
+    groups = _structures(programs)
     for idx in groups.values():
         FeatureTemplate(programs[idx[0]].state, task, _CheckedFacts)
     assert len(groups) >= 2 and _CheckedFacts.checked >= len(groups)      # every structure, each stage

@@ -185,7 +185,7 @@ def test_helpers_that_die_as_they_start_are_given_up_with_one_warning(tmp_path):
         want = FeatureExtractor(task)(programs)
         for _ in range(5):
             got = f(task, programs)
-            assert all(np.array_equal(a, b) for a, b in zip(got, want))
+            assert all(np.array_equal(a, b.astype(np.float32)) for a, b in zip(got, want))
         print("helpers", f.helpers.processes, flush=True)
     """)
     path = tmp_path / "unguarded.py"
