@@ -218,14 +218,18 @@ def program_parts(program: Program, n_initial: int, readers: Callable[[str, Prog
                 group[find(s)] = find(r)
     # stages whose lengths an rfactor's split fixes have parts of their own for nearly every program
     # (those lengths are part of the structure): one part for all of them makes one template, not several
-    fixed = [s for s in stores if any(structural_split(steps, i) for i in walk.steps_on.get(s, ()))]
+    fixed_splits = {i for i in range(len(steps) - 1) if isinstance(steps[i + 1], RfactorStep)}
+    fixed = [s for s in stores if not fixed_splits.isdisjoint(walk.steps_on.get(s, ()))]
     for s in fixed[1:]:
         group[find(s)] = find(fixed[0])
     members: dict[int, list[int]] = {}
     for s in sorted(stores):
         members.setdefault(find(s), []).append(s)
-    # 2. each part's steps: the layout's, its stages', and the splits those follow, in program order
+    # 2. each part's steps: the layout's, its stages', and the splits those follow, in program order;
+    # the key of each step and its open numbers are made once, whatever parts it is in
     row = {s: r for r, s in enumerate(sorted(stores))}
+    items: dict[int, list] = {}
+    numbers: dict[int, list[tuple[int, int]]] = {}
     parts = []
     for stages in members.values():
         chosen = set(walk.layout)
@@ -242,14 +246,19 @@ def program_parts(program: Program, n_initial: int, readers: Callable[[str, Prog
                 todo.extend(st.src_step_ids)
         order = sorted(chosen)
         at = {i: k for k, i in enumerate(order)}
-        key = [stages]
+        key: list = [stages]
+        part_slots: list[tuple[int, int]] = []
         for i in order:
-            st, item = steps[i], _step_key(steps, i)
-            if isinstance(st, FollowSplitStep):
-                item[3] = at[st.src_step_id]            # the followed split, by its place in the part
-            elif isinstance(st, FollowFusedSplitStep):
-                item[3] = [at[j] for j in st.src_step_ids]
-            key.append(item)
-        parts.append(Part(json.dumps(key, separators=(",", ":")), tuple(stages), tuple(slots_of(steps, order)),
+            st = steps[i]
+            if isinstance(st, (FollowSplitStep, FollowFusedSplitStep)):
+                item = st.to_json()                      # the followed splits, by their places in the part
+                item[3] = at[st.src_step_id] if isinstance(st, FollowSplitStep) else [at[j] for j in st.src_step_ids]
+                key.append(item)
+                continue
+            if i not in items:
+                items[i], numbers[i] = _step_key(steps, i), slots_of(steps, (i,))
+            key.append(items[i])
+            part_slots += numbers[i]
+        parts.append(Part(json.dumps(key, separators=(",", ":")), tuple(stages), tuple(part_slots),
                           tuple(row[s] for s in stages)))
     return ProgramParts(tuple(parts), len(stores))
