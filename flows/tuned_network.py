@@ -21,6 +21,7 @@ from typing import BinaryIO, Callable
 from tensortune.codegen.aot import AOTResult, compile_network, dispatch_overhead
 from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, NetworkCheck, build_network, relative_errors
 from tensortune.codegen.target import Target, parse_target
+from tensortune.codegen.worker_pool import WorkerPool
 from tensortune.storage.records import RecordStore
 from tensortune.tasks.extract import NetworkTasks
 
@@ -241,7 +242,26 @@ def _copy_of(path: str) -> Callable[[BinaryIO], None]:
     return write
 
 
+NETWORK_JOB_TIMEOUT_S = 1800.0    # builds every kernel (a Winograd F(4) one takes seconds), checks, times
+
+
 def measure_tuned_network_job(net: NetworkTasks, records_url: str, target: str,
                               repeat: int = 20) -> TunedNetworkTiming:
-    """Runs on a Dask measure worker (the flow's last step): the same, from the store at `records_url`."""
+    """Runs on a Dask measure worker (the flow's last step): the same, from the store at `records_url`,
+    in a fresh worker process as the runner times each kernel (`codegen.worker_pool`), not in the Dask
+    worker's own thread. There, beside the worker's event loop and other threads on a 2-core VM, the
+    same ResNet-18 store timed 11.1-17.9 ms (median 13.4) against 10.1-12.6 (10.6) in a process of its
+    own, five alternating pairs, 2026-11-27 (the flow had reported 14.7 and 16.6 ms for stores that
+    `run-network` then timed at 9.4 and 9.9). And a network whose kernel crashes costs this job, not
+    the worker."""
+    with WorkerPool("tensortune.flows.tuned_network:_network_timing", 1, NETWORK_JOB_TIMEOUT_S) as pool:
+        [done] = pool.map([(net, records_url, target, repeat)])
+    if not done.ok:
+        raise RuntimeError(f"timing the tuned network failed: {done.error}")
+    return done.value
+
+
+def _network_timing(payload: tuple[NetworkTasks, str, str, int]) -> TunedNetworkTiming:
+    """The worker process's job (see measure_tuned_network_job)."""
+    net, records_url, target, repeat = payload
     return measure_tuned_network(net, RecordStore(records_url, auto_compact=None), target, repeat=repeat)
