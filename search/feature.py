@@ -942,6 +942,14 @@ class _BodyFactsCache:
         return facts
 
 
+def _replayed(program: Program | None) -> State:
+    """The State of a State or of a Candidate (replayed on first use)."""
+    state = getattr(program, "state", program)
+    if not isinstance(state, State):
+        raise TypeError(f"features are made from a State or a Candidate, not {type(program).__name__}")
+    return state
+
+
 class FeatureExtractor:
     """Features of many states, each program in parts (`feature_parts`): one cached template per part
     structure, evaluated for every program that has such a part."""
@@ -957,7 +965,7 @@ class FeatureExtractor:
     def _readers(self, layout: str, program: Program) -> Readers:
         hit = self.layouts.get(layout)
         if hit is None:
-            hit = self.layouts[layout] = Readers.of(getattr(program, "state", program))
+            hit = self.layouts[layout] = Readers.of(_replayed(program))
         return hit
 
     def parts(self, program: Program) -> ProgramParts:
@@ -966,7 +974,7 @@ class FeatureExtractor:
         if got is None:
             got = program_parts(program, self.n_initial, self._readers)
             if hasattr(program, "structure"):
-                program.structure = got     # type: ignore[attr-defined]
+                program.structure = got
         return got
 
     def groups(self, states: Sequence[Program]) -> dict[str, list[tuple[int, Part]]]:
@@ -991,8 +999,7 @@ class FeatureExtractor:
         if tpl is None:
             if len(self.templates) >= self.max_templates:
                 self.templates.clear()
-            state = getattr(representative, "state", representative)
-            tpl = self.templates[key] = FeatureTemplate(state, self.task, self.body_facts, part)
+            tpl = self.templates[key] = FeatureTemplate(_replayed(representative), self.task, self.body_facts, part)
         return tpl(numbers)
 
     @staticmethod

@@ -73,7 +73,7 @@ class Featurizer:
                          for key, members in share]
             for (key, members), block in zip(share, feats):
                 ex.place(rows, members, block)
-        return rows  # type: ignore[return-value]
+        return rows
 
     def close(self) -> None:
         """Stop the helper processes (they also stop when the pool is collected or at exit)."""

@@ -168,12 +168,14 @@ def test_the_flows_network_timing_runs_in_a_process_of_its_own(tmp_path):
     builds, the check and the runs are a child's CPU time, not this process's."""
     net = _small_net()
     _write_records(tmp_path, net)
-    before_self, before_children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    def cpu() -> tuple[float, float]:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_utime, resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
+
+    here0, child0 = cpu()
     timing = measure_tuned_network_job(net, str(tmp_path), "llvm", repeat=200)
-    after_self, after_children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    here1, child1 = cpu()
     assert timing.passed and timing.tuned == 1 and timing.measured_s > 0
-    here = after_self.ru_utime - before_self.ru_utime
-    child = after_children.ru_utime - before_children.ru_utime
+    here, child = here1 - here0, child1 - child0
     assert child > 0.2 and here < child / 4, (here, child)
     with pytest.raises(RuntimeError, match="timing the tuned network failed"):
         measure_tuned_network_job(net, str(tmp_path), "no-such-target", repeat=2)
