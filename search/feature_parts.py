@@ -15,7 +15,9 @@ target and of each stage that reads it; every other stage stands alone. A part's
 the steps on its stages, the splits those follow (`FSP`, `FFSP`), and the steps that shape the stage
 list and the bodies (cache_read, cache_write, rfactor, compute_inline: the *layout* steps, in every
 part). A part's key is that subsequence of steps, numbers left open as in the whole-program key, with
-the part's stage positions: the same 2048 Winograd programs have 122 part structures.
+the part's stage positions: the same 2048 Winograd programs have 122 part structures. A stage that a
+cache write, cache read or rfactor makes inherits the steps done so far to the stage it is made from;
+the stages whose loops an rfactor's split fixes (its lengths are part of the structure) are one part.
 
 Nothing here replays a program (evolution keys thousands of them a round, most never replayed). Which
 stage a step acts on follows from the layout steps alone (they are the only ones that insert stages);
