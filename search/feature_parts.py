@@ -48,6 +48,8 @@ from tensortune.schedule.steps import (
 )
 from tensortune.tasks import te
 
+# steps that shape the stage list or the bodies: in every part (a split feeding an rfactor is not one:
+# it is on the stage rfactored, whose history the new stage inherits; `_walk`)
 _LAYOUT_STEPS = (CacheReadStep, CacheWriteStep, RfactorStep, ComputeInlineStep)
 
 
@@ -144,12 +146,6 @@ class Readers:
         return Readers(stores, {i: tuple(sorted(set(r))) for i, r in readers.items()})
 
 
-def _layout(steps: Sequence[Step], i: int) -> bool:
-    """Steps that shape the stage list or the bodies: in every part. (A split feeding an rfactor is not
-    one: it is on the stage rfactored, whose history the new stage inherits; `_walk`.)"""
-    return isinstance(steps[i], _LAYOUT_STEPS)
-
-
 @dataclass
 class _Walk:
     """What one pass over a step list finds: the steps on each stage (by its position in the final
@@ -169,7 +165,7 @@ def _walk(steps: Sequence[Step], n_initial: int) -> _Walk:
     for i, st in enumerate(steps):
         sid = getattr(st, "stage_id", None)
         t = token[sid] if sid is not None else -1
-        if not _layout(steps, i):
+        if not isinstance(st, _LAYOUT_STEPS):
             steps_on.setdefault(t, []).append(i)
             if isinstance(st, ComputeAtStep):
                 attach[t] = token[st.target_stage_id]
@@ -193,7 +189,8 @@ def _walk(steps: Sequence[Step], n_initial: int) -> _Walk:
 
 def layout_key(steps: Sequence[Step]) -> str:
     """Equal for programs whose stage lists and bodies are the same (`Readers` depend on nothing else)."""
-    return json.dumps([_step_key(steps, i) for i in range(len(steps)) if _layout(steps, i)], separators=(",", ":"))
+    return json.dumps([_step_key(steps, i) for i, st in enumerate(steps) if isinstance(st, _LAYOUT_STEPS)],
+                      separators=(",", ":"))
 
 
 def program_parts(program: Program, n_initial: int, readers: Callable[[str, Program], Readers]) -> ProgramParts:
@@ -220,7 +217,7 @@ def program_parts(program: Program, n_initial: int, readers: Callable[[str, Prog
                 group[find(s)] = find(r)
     # stages whose lengths an rfactor's split fixes have parts of their own for nearly every program
     # (those lengths are part of the structure): one part for all of them makes one template, not several
-    fixed_splits = {i for i in range(len(steps) - 1) if isinstance(steps[i + 1], RfactorStep)}
+    fixed_splits = {i for i in range(len(steps)) if structural_split(steps, i)}
     fixed = [s for s in stores if not fixed_splits.isdisjoint(walk.steps_on.get(s, ()))]
     for s in fixed[1:]:
         group[find(s)] = find(fixed[0])
