@@ -1002,6 +1002,11 @@ class FeatureExtractor:
             tpl = self.templates[key] = FeatureTemplate(_replayed(representative), self.task, self.body_facts, part)
         return tpl(numbers)
 
+    def evaluate_members(self, key: str, states: Sequence[Program], members: list[tuple[int, Part]]) -> np.ndarray:
+        """`evaluate` for the members of one part structure among `states` (from `groups`)."""
+        i, part = members[0]
+        return self.evaluate(key, states[i], part, self.numbers(states, members))
+
     @staticmethod
     def place(rows: list[np.ndarray], members: list[tuple[int, Part]], block: np.ndarray) -> None:
         """Put each member's rows of `block` (an `evaluate`) where they go among its program's."""
@@ -1012,6 +1017,5 @@ class FeatureExtractor:
         """One [n_stores, 164] matrix per state, its stores in stage order."""
         rows = [np.empty((self.parts(s).n_rows, N_FEATURES)) for s in states]
         for key, members in self.groups(states).items():
-            i, part = members[0]
-            self.place(rows, members, self.evaluate(key, states[i], part, self.numbers(states, members)))
+            self.place(rows, members, self.evaluate_members(key, states, members))
         return rows

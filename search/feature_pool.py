@@ -64,13 +64,11 @@ class Featurizer:
                 pending.append((worker, shares[worker], future))
         rows = [np.empty((ex.parts(s).n_rows, N_FEATURES), dtype=np.float32) for s in states]
         for key, members in shares[0]:
-            i, part = members[0]
-            ex.place(rows, members, ex.evaluate(key, states[i], part, ex.numbers(states, members)))
+            ex.place(rows, members, ex.evaluate_members(key, states, members))
         for worker, share, future in pending:
             feats = self.helpers.result(worker - 1, future)
             if feats is None:
-                feats = [ex.evaluate(key, states[members[0][0]], members[0][1], ex.numbers(states, members))
-                         for key, members in share]
+                feats = [ex.evaluate_members(key, states, members) for key, members in share]
             for (key, members), block in zip(share, feats):
                 ex.place(rows, members, block)
         return rows
