@@ -47,7 +47,15 @@ from tensortune.search.feature_layout import (
     OP_FIELDS,
     onehot_mask,
 )
-from tensortune.search.feature_parts import Part, ProgramParts, Readers, program_parts, slots, state_numbers
+from tensortune.search.feature_parts import (
+    Part,
+    ProgramParts,
+    Readers,
+    program_parts,
+    slots,
+    state_numbers,
+    structure_key,
+)
 from tensortune.search.symbolic import FreeVars, IntervalCompiler, compile_exprs, linear_form
 from tensortune.tasks import te
 from tensortune.tasks.search_task import SearchTask
@@ -960,6 +968,7 @@ class FeatureExtractor:
         self.max_templates = max_templates
         self.body_facts = _BodyFactsCache()
         self.layouts: dict[str, Readers] = {}
+        self.structures: dict[tuple, ProgramParts] = {}       # structure_key -> its parts
         self.n_initial = len(task.dag.tensors)
 
     def _readers(self, layout: str, program: Program) -> Readers:
@@ -969,10 +978,16 @@ class FeatureExtractor:
         return hit
 
     def parts(self, program: Program) -> ProgramParts:
-        """The parts of a State or a Candidate (kept on a Candidate: number-only mutations keep them)."""
+        """The parts of a State or a Candidate (kept on a Candidate: number-only mutations keep them), made
+        once per structure (`structure_key`): a round's 2048 fresh programs have a few hundred."""
         got = getattr(program, "structure", None)
         if got is None:
-            got = program_parts(program, self.n_initial, self._readers)
+            key = structure_key(program)
+            got = self.structures.get(key)
+            if got is None:
+                if len(self.structures) >= self.max_templates:
+                    self.structures.clear()
+                got = self.structures[key] = program_parts(program, self.n_initial, self._readers)
             if hasattr(program, "structure"):
                 program.structure = got
         return got

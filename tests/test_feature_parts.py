@@ -6,13 +6,24 @@ it acts on without a replay; and a part template must fail, not guess, if a feat
 a number outside its part."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from tensortune.codegen.target import make_task
 from tensortune.schedule.state import State
+from tensortune.search.candidate import Candidate
 from tensortune.search.feature import FeatureExtractor, FeatureTemplate
-from tensortune.search.feature_parts import _walk, layout_key, state_numbers, structure_key
+from tensortune.search.feature_parts import (
+    Readers,
+    _step_key,
+    _walk,
+    layout_key,
+    program_parts,
+    state_numbers,
+    structure_key,
+)
 from tensortune.tasks.workload_registry import make_dag
 from tests.test_feature_fast import TASKS, _population
 
@@ -104,3 +115,23 @@ def test_programs_with_one_layout_share_its_readers():
     ex = FeatureExtractor(task)
     ex(programs)
     assert len(ex.layouts) == len({layout_key(p.steps) for p in programs}) < len(programs) / 10
+
+
+@pytest.mark.parametrize("name,args,target", CASES, ids=IDS)
+def test_programs_share_parts_only_with_programs_of_their_structure(name, args, target):
+    """An extractor makes each structure's parts once (`structure_key`, a tuple of the steps with their
+    open numbers left out) and hands them to every program of that structure. Each program's parts must
+    be those made for it alone, and two programs share a key only where every step's JSON key (open
+    numbers left out; an rfactor's split keeps its lengths) is the same."""
+    task = make_task(make_dag(name, *args), target)
+    programs = [Candidate(task.dag, p.steps, p.sketch) for p in _population(task, seed=13)]   # no parts kept
+    ex = FeatureExtractor(task)
+    n_initial = len(task.dag.tensors)
+    json_keys: dict[tuple, set[str]] = {}
+    for p in programs:
+        alone = program_parts(p, n_initial, lambda _key, program: Readers.of(program.state))
+        assert ex.parts(p) == alone, p.steps_json[:120]
+        json_keys.setdefault(structure_key(p), set()).add(
+            json.dumps([_step_key(p.steps, i) for i in range(len(p.steps))]))
+    assert all(len(keys) == 1 for keys in json_keys.values())
+    assert len(ex.structures) == len(json_keys) < len(programs)
