@@ -99,7 +99,7 @@ def test_batched_features_equal_the_reference_bit_for_bit(name, args, target):
 
 def _structures(programs) -> dict[str, list[int]]:
     """Positions of programs by whole-program structure."""
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(programs):
         groups.setdefault(structure_key(p), []).append(i)
     return groups

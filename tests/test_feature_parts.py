@@ -43,7 +43,7 @@ def test_the_parts_rows_are_the_whole_programs_bit_for_bit(name, args, target):
     programs = _population(task, seed=7)
     ex = FeatureExtractor(task)
     got = ex(programs)
-    by_structure: dict[str, list[int]] = {}
+    by_structure: dict[tuple, list[int]] = {}
     for i, p in enumerate(programs):
         by_structure.setdefault(structure_key(p), []).append(i)
     for idx in by_structure.values():       # each program's rows against its whole structure's template
