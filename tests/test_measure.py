@@ -210,6 +210,26 @@ def test_a_cold_repeat_is_the_median_of_its_runs_so_one_preempted_run_does_not_c
     assert costs == pytest.approx([1e-3, 2e-3])
 
 
+def test_a_cold_repeat_that_a_stall_covers_mostly_is_timed_longer(monkeypatch):
+    """Two of three cold runs inside one stall: the median alone would record the stall. The repeat gets
+    three runs more (and then three more while the median still sits above twice the fastest run)."""
+    clock = [0.0]
+    durations = [45e-6, 8.2e-3, 8.3e-3, 46e-6, 8.0e-3, 47e-6, 45e-6, 48e-6, 46e-6]
+    taken = iter(durations)
+
+    def run(n: int) -> None:
+        clock[0] += next(taken)
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    costs = time_runs(run, TimingConfig(number=3, repeat=1, flush_cache=True), flush=lambda: None, warm=True)
+    assert costs == pytest.approx([float(np.median(durations))]) and costs[0] < 50e-6
+    assert next(taken, None) is None                     # all nine runs, and no more
+    # runs that agree within twice the fastest, or differ by microseconds only, are timed as before
+    for agreeing, median in (([1.0e-3, 1.9e-3, 1.5e-3], 1.5e-3), ([5e-6, 12e-6, 11e-6], 11e-6)):
+        clock[0], taken = 0.0, iter(agreeing + [99.0])
+        assert time_runs(run, TimingConfig(number=3, repeat=1, flush_cache=True), flush=lambda: None,
+                         warm=True) == pytest.approx([median])
+
+
 def test_a_runner_with_cache_flush_times_correct_kernels(task):
     good = State(task.dag).split("C", 1, [16]).vectorize("C", 2)
     with ProgramMeasurer(LocalBuilder(n_parallel=1),
