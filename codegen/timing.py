@@ -73,7 +73,7 @@ NETWORK_TIMING = TimingConfig(number=3, repeat=1, flush_cache=True)
 
 MAX_NUMBER = 1_000_000          # runs in one repeat, at most
 COLD_SPREAD = 2.0               # a cold repeat whose median is this many times its fastest run ...
-STALL_S = 200e-6                # ... and this much slower (a host's stall is milliseconds; jitter is microseconds)
+STALL_S = 20e-6                 # ... and this much slower (a small kernel's jitter is a few microseconds) ...
 COLD_ROUNDS = 3                 # ... is timed longer, up to this many times `number` runs
 
 
@@ -97,7 +97,8 @@ def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[
     (seen on a shared 2-vCPU VM: gaps of 3-12 ms every ~30 ms) turned a 0.25 ms kernel into a 4 ms mean,
     and the network, timed as the median of its runs, never sees that. A stall can outlast one run, though:
     the main job recorded a 45 us conv's default schedule at 8.2 ms (the median of three cold runs: two
-    of them took that long) and printed it as 183 times slower than the tuned program. So a repeat whose median is more
+    of them took that long) and printed it as 183 times slower than the tuned program (the next run: an
+    8.5 us conv's default at 69 us, 8.1 times). So a repeat whose median is more
     than COLD_SPREAD times its fastest run, and STALL_S slower, gets `number` runs more, up to
     COLD_ROUNDS * number, and is the median of them all; runs that agree within that (this VM's 10-40 %
     drift, a tiny kernel's microseconds of jitter) are timed as before."""
