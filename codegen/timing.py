@@ -98,10 +98,10 @@ def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[
     and the network, timed as the median of its runs, never sees that. A stall can outlast one run, though:
     the main job recorded a 45 us conv's default schedule at 8.2 ms (the median of three cold runs: two
     of them took that long) and printed it as 183 times slower than the tuned program (the next run: an
-    8.5 us conv's default at 69 us, 8.1 times). So a repeat whose median is more
-    than COLD_SPREAD times its fastest run, and STALL_S slower, gets `number` runs more, up to
-    COLD_ROUNDS * number, and is the median of them all; runs that agree within that (this VM's 10-40 %
-    drift, a tiny kernel's microseconds of jitter) are timed as before."""
+    8.5 us conv's default at 69 us, 8.1 times). So a repeat whose median is more than COLD_SPREAD times
+    its fastest run, and STALL_S slower, gets `number` runs more, up to COLD_ROUNDS * number, and is the
+    median of them all; runs that agree within that (this VM's 10-40 % drift, a tiny kernel's
+    microseconds of jitter) are timed as before."""
     if not warm:
         for _ in range(cfg.warmup):
             run_n(1)
