@@ -62,14 +62,20 @@ def _open_unroll(step: Step) -> bool:
     return isinstance(step, PragmaStep) and step.pragma.startswith("auto_unroll_max_step")
 
 
-def _step_key(steps: Sequence[Step], i: int) -> list:
-    """Step i as a structure key holds it: a split's lengths and an unroll depth left open."""
+def _open_step(steps: Sequence[Step], i: int) -> Step | tuple:
+    """Step i with its open numbers left out: a split's lengths and an unroll depth."""
     st = steps[i]
     if isinstance(st, SplitStep) and not structural_split(steps, i):
-        return ["SP", st.stage_id, st.iter_id, st.extent, len(st.lengths), int(st.inner_to_outer)]
+        return ("SP", st.stage_id, st.iter_id, st.extent, len(st.lengths), int(st.inner_to_outer))
     if _open_unroll(st):
-        return ["PR", st.stage_id, st.iter_id]       # type: ignore[attr-defined]
-    return st.to_json()
+        return ("PR", st.stage_id, st.iter_id)       # type: ignore[attr-defined]
+    return st
+
+
+def _step_key(steps: Sequence[Step], i: int) -> list:
+    """Step i as a part's JSON key holds it (`_open_step` as JSON)."""
+    st = _open_step(steps, i)
+    return list(st) if isinstance(st, tuple) else st.to_json()
 
 
 def structure_key(program: Program) -> tuple:
@@ -78,16 +84,6 @@ def structure_key(program: Program) -> tuple:
     programs a round by it, and a tuple is made and hashed in a tenth of the time `program_parts` takes."""
     steps = program.steps
     return tuple(_open_step(steps, i) for i in range(len(steps)))
-
-
-def _open_step(steps: Sequence[Step], i: int) -> object:
-    """Step i with its open numbers left out (as `_step_key`, without making its JSON)."""
-    st = steps[i]
-    if isinstance(st, SplitStep) and not structural_split(steps, i):
-        return ("SP", st.stage_id, st.iter_id, st.extent, len(st.lengths), st.inner_to_outer)
-    if _open_unroll(st):
-        return ("PR", st.stage_id, st.iter_id)       # type: ignore[attr-defined]
-    return st
 
 
 def slots_of(steps: Sequence[Step], indices: Sequence[int]) -> list[tuple[int, int]]:
