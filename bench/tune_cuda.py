@@ -1,20 +1,23 @@
 """`python -m bench tune --target cuda`: tuned CUDA kernels against PyTorch (cuBLAS / cuDNN) on one GPU.
 
-Tunes matmul 4096^3 and every distinct conv2d layer of ResNet-50 (batch 1, NCHW, fp32), re-times the
-best program of each, checks it against PyTorch on the CPU, and times it against the same computation
-in PyTorch on the same GPU with TF32 off (plain fp32, as the tuned kernels compute), replayed from a CUDA
-graph (the library's kernels alone) and called eagerly (with PyTorch's per-call dispatch). The three are
-timed in alternating pairs (bench.common.compare), each by the same protocol with CUDA events (median
-of 5 batches of >= 200 ms): PyTorch by bench.common.measure with bench.common.cuda_clock in this
-process, the tuned kernel by CUDAKernel.time in a worker process (pycuda), so the two never share a
-CUDA context. A row whose output failed its check has no speedup (its kernel is not timed) and is left
-out of the ResNet-50 total.
+Tunes matmul 4096^3 and every distinct conv2d layer of ResNet-50 (batch 1, NCHW, fp32) -- a 3x3
+stride-1 layer also in its Winograd form F(m x m, 3 x 3) when asked (`r50w4:i`, `r50w2:i`: the weight
+transformed once beforehand, as a network's constant weight is) -- re-times the best program of each,
+checks it against PyTorch on the CPU, and times it against the same computation in PyTorch on the same
+GPU with TF32 off (plain fp32, as the tuned kernels compute), replayed from a CUDA graph (the library's
+kernels alone) and called eagerly (with PyTorch's per-call dispatch). The three are timed in
+alternating pairs (bench.common.compare), each by the same protocol with CUDA events (median of 5
+batches of >= 200 ms): PyTorch by bench.common.measure with bench.common.cuda_clock in this process,
+the tuned kernel by CUDAKernel.time in a worker process (pycuda), so the two never share a CUDA
+context. A row whose output failed its check has no speedup (its kernel is not timed) and is left out
+of the ResNet-50 total.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import re
 import statistics
 from typing import Callable
 
@@ -30,6 +33,7 @@ from bench.common import (
     print_table,
     write_json,
 )
+from tensortune.tasks import winograd
 
 MATMUL = ("matmul", (4096, 4096, 4096))
 GPU_BATCHES, GPU_MIN_BATCH_MS = 5, 200.0      # both sides: median of 5 batches of >= 200 ms
@@ -51,34 +55,47 @@ def resnet50_convs() -> list[tuple[tuple, int]]:
 
 
 def workloads(spec: str) -> list[dict]:
-    """'matmul', 'resnet50' (all convs), 'r50:i' or 'r50:i-j' (by index), comma-separated."""
+    """'matmul', 'resnet50' (all convs), 'r50:i' or 'r50:i-j' (by index), and 'r50w4:i[-j]' /
+    'r50w2:i[-j]' (the 3x3 stride-1 layers among them in Winograd form F(4x4) / F(2x2); the others
+    in the range are left out), comma-separated. Every conv item keeps the direct conv's arguments
+    under "conv": PyTorch runs that conv, and the Winograd kernel is checked against it."""
     convs = resnet50_convs()
     out = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
         if part == "matmul":
             out.append({"label": "matmul 4096^3", "workload": MATMUL[0], "args": MATMUL[1], "count": 1})
             continue
+        form = re.fullmatch(r"r50(?:w([24]))?:(\d+)(?:-(\d+))?", part)
         if part == "resnet50":
-            lo, hi = 0, len(convs) - 1
-        elif part.startswith("r50:"):
-            rng = part[4:].split("-")
-            lo, hi = int(rng[0]), int(rng[-1])
+            lo, hi, m = 0, len(convs) - 1, 0
+        elif form:
+            lo, hi, m = int(form[2]), int(form[3] or form[2]), int(form[1] or 0)
         else:
-            raise SystemExit(f"unknown workload {part!r}; use matmul, resnet50 or r50:i[-j]")
+            raise SystemExit(f"unknown workload {part!r}; use matmul, resnet50, r50:i[-j] or r50w4:i[-j] / r50w2:i[-j]")
+        if not 0 <= lo <= hi < len(convs):
+            raise SystemExit(f"{part!r}: ResNet-50 has convs 0-{len(convs) - 1}")
         for i in range(lo, hi + 1):
-            (n, h, w, ci, co, kh, kw, s, p), count = convs[i]
-            out.append({"label": f"r50.{i} {ci}x{h}x{w}->{co} k{kh} s{s}", "workload": "conv2d",
-                        "args": (n, h, w, ci, co, kh, kw, s, p), "count": count})
+            conv, count = convs[i]
+            n, h, w, ci, co, kh, kw, s, p = conv
+            label = f"r50.{i} {ci}x{h}x{w}->{co} k{kh} s{s}"
+            if not m:
+                out.append({"label": label, "workload": "conv2d", "args": conv, "conv": conv, "count": count})
+            elif winograd.eligible((co, ci, kh, kw), s, 1, 1):
+                out.append({"label": f"{label} winograd F{m}", "workload": "conv2d_winograd",
+                            "args": (n, h, w, ci, co, p, m), "conv": conv, "winograd_m": m, "count": count})
+    if not out:
+        raise SystemExit(f"no workload in {spec!r} (Winograd forms take only 3x3 stride-1 convs)")
     return out
 
 
 # ------------------------------------------------------------------------------ worker side (pycuda)
 
 def verify_job(payload: tuple) -> tuple[float, str]:
-    """(task_json, artifact, conv (stride, pad) or None, check) -> (median seconds or NaN, mismatch or
-    ''): runs in a worker process. With `check`, the output is compared with PyTorch on the CPU in fp32
-    (the float64 NumPy reference of a 4096^3 matmul would take minutes) and not timed; without, the
-    kernel is timed (one side of one pair of bench.common.compare)."""
+    """(task_json, artifact, conv (stride, pad, winograd m or 0) or None, check) -> (median seconds or
+    NaN, mismatch or ''): runs in a worker process. With `check`, the output is compared with PyTorch on
+    the CPU in fp32 (the float64 NumPy reference of a 4096^3 matmul would take minutes) and not timed; a
+    Winograd kernel gets U transformed from a random weight and is compared with the direct conv of that
+    weight. Without `check`, the kernel is timed (one side of one pair of bench.common.compare)."""
     import numpy as np
 
     from tensortune.codegen.cuda_backend import CUDAKernel
@@ -87,22 +104,37 @@ def verify_job(payload: tuple) -> tuple[float, str]:
     task_json, artifact, conv, check = payload
     task = SearchTask.from_json(task_json)
     dag = task.dag
-    inputs = dag.random_inputs(seed=99)
+    inputs, reference = checked_inputs(dag, conv)
     outs = [np.full(t.shape, np.nan, dtype=t.dtype) for t in dag.outputs]
     kernel = CUDAKernel(artifact)
     if check:
-        import torch
         kernel(*inputs, *outs)
-        a, b = (torch.from_numpy(x) for x in inputs)
-        if conv is None:
-            ref = (a @ b).numpy()
-        else:
-            ref = torch.nn.functional.conv2d(a, b, stride=conv[0], padding=conv[1]).numpy()
-        return math.nan, mismatch(outs[0], ref.astype(np.float64)) or ""
+        return math.nan, mismatch(outs[0], reference().astype(np.float64)) or ""
     dev = kernel.device_args(list(inputs) + outs)
     # bench.common's protocol, run in this worker: CUDA events, median of batches of >= 200 ms
     costs = kernel.time(dev, number=3, repeat=GPU_BATCHES, min_repeat_ms=GPU_MIN_BATCH_MS, warmup=3)
     return statistics.median(costs), ""
+
+
+def checked_inputs(dag, conv: tuple | None) -> tuple[list, Callable]:
+    """(the kernel's inputs, a function computing the expected output with PyTorch on the CPU in fp32)
+    for a matmul (conv None) or a conv (stride, pad, winograd m or 0). A Winograd kernel takes U, made
+    here from a random weight, and is expected to compute the direct conv of that weight."""
+    import numpy as np
+    inputs = dag.random_inputs(seed=99)
+    weight = inputs[1]
+    if conv is not None and conv[2]:
+        co, ci = weight.shape[2:]
+        weight = np.random.default_rng(98).uniform(-1.0, 1.0, (co, ci, 3, 3)).astype(np.float32)
+        inputs[1] = winograd.transform_weight(weight, conv[2]).astype(np.float32)
+
+    def reference():
+        import torch
+        a, b = torch.from_numpy(inputs[0]), torch.from_numpy(weight)
+        if conv is None:
+            return (a @ b).numpy()
+        return torch.nn.functional.conv2d(a, b, stride=conv[0], padding=conv[1]).numpy()
+    return inputs, reference
 
 
 def tuned_side(verifier, task, artifact, conv) -> Callable[[], float]:
@@ -135,7 +167,7 @@ def torch_sides(item: dict) -> tuple[dict[str, Callable[[], float]], Callable[[]
         a, b = torch.randn(n, k, device=dev), torch.randn(k, m, device=dev)
         fn = lambda: torch.matmul(a, b)  # noqa: E731
     else:
-        n, h, w, ci, co, kh, kw, s, p = item["args"]
+        n, h, w, ci, co, kh, kw, s, p = item["conv"]
         x, wt = torch.randn(n, ci, h, w, device=dev), torch.randn(co, ci, kh, kw, device=dev)
         fn = lambda: torch.nn.functional.conv2d(x, wt, stride=s, padding=p)  # noqa: E731
     side = torch.cuda.Stream()
@@ -194,19 +226,27 @@ def timed_fields(flops: float, verified: bool, cmp: Comparison) -> dict:
 
 
 def resnet50_total(rows: list[dict]) -> dict | None:
-    """The ResNet-50 conv rows summed (each times its layer count) over the rows that passed
-    verification and were timed; the others are named and left out (a wrong kernel has no time worth
-    adding, and a sum with a hole in it is not the network's)."""
+    """The ResNet-50 conv rows summed (each times its layer count) over the layers with a row that
+    passed verification and was timed; the others are named and left out (a wrong kernel has no time
+    worth adding, and a sum with a hole in it is not the network's). A layer tuned in more than one
+    form (direct, Winograd) counts its fastest, the one a deployment would take; its trials count all."""
     convs = [r for r in rows if r["task"].startswith("r50.")]
-    good = [r for r in convs if r["verified"] and r.get("tuned_ms") and r.get("torch_ms")]
+    forms: dict[str, list[dict]] = {}
+    for r in convs:
+        forms.setdefault(r["task"].split()[0], []).append(r)
+    best = {layer: min((r for r in rs if r["verified"] and r.get("tuned_ms") and r.get("torch_ms")),
+                       key=lambda r: r["tuned_ms"], default=None) for layer, rs in forms.items()}
+    good = [r for r in best.values() if r is not None]
     if not good:
         return None
-    tot = {"task": f"ResNet-50 convs (x layers), {len(good)} of {len(convs)} verified and timed", "total": True,
-           "layers": sum(r["layers"] for r in good), "trials": sum(r["trials"] for r in good),
+    tot = {"task": f"ResNet-50 convs (x layers), {len(good)} of {len(forms)} verified and timed", "total": True,
+           "layers": sum(r["layers"] for r in good),
+           "trials": sum(r["trials"] for layer, rs in forms.items() if best[layer] for r in rs),
            "tuned_ms": sum(r["tuned_ms"] * r["layers"] for r in good),
            "torch_ms": sum(r["torch_ms"] * r["layers"] for r in good),
            "torch_eager_ms": sum(r["torch_eager_ms"] * r["layers"] for r in good),
-           "excluded_failed": [r["task"] for r in convs if r not in good]}
+           "forms": [r["task"] for r in good],
+           "excluded_failed": [r["task"] for layer, rs in forms.items() if best[layer] is None for r in rs]}
     tot["verified"] = not tot["excluded_failed"]
     tot["tuned/torch"] = tot["torch_ms"] / tot["tuned_ms"]
     return tot
@@ -216,7 +256,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench tune --target cuda")
     ap.add_argument("--target", default="cuda")
     ap.add_argument("--trials", type=int, default=64, help="measured programs per task")
-    ap.add_argument("--workloads", default="matmul,resnet50", help="matmul, resnet50, r50:i[-j] (comma-separated)")
+    ap.add_argument("--workloads", default="matmul,resnet50",
+                    help="matmul, resnet50, r50:i[-j], r50w4:i[-j] or r50w2:i[-j] (Winograd F(4x4) / F(2x2) of the "
+                         "3x3 stride-1 convs among them), comma-separated")
     ap.add_argument("--per-round", type=int, default=64)
     ap.add_argument("--model", default="xgb")
     ap.add_argument("--seed", type=int, default=0)
@@ -271,14 +313,16 @@ def main(argv: list[str]) -> int:
                                 f"{log.errors} errors; search {log.search_s + log.train_s:.1f} s, measure "
                                 f"{log.measure_s:.1f} s", flush=True))
             wall = watch.elapsed
+            # GFLOP of the direct conv for a Winograd row too: its TFLOP/s are effective, comparable
+            flops = make_task(make_dag("conv2d", *item["conv"]), target).flops if "conv" in item else task.flops
             row = {"gpu": name, "task": item["label"], "layers": item["count"],
-                   "trials": res.trials, "gflop": task.flops / 1e9, "tune_s": wall,
+                   "trials": res.trials, "gflop": flops / 1e9, "tune_s": wall,
                    "errors": sum(r.errors for r in res.rounds)}
             bad, tuned = "no valid program", None
             if res.best_steps:
                 (b,) = measurer.builder.build(task, [res.best_steps])
                 if b.artifact is not None:
-                    conv = None if item["workload"] == "matmul" else item["args"][7:9]
+                    conv = (*item["conv"][7:9], item.get("winograd_m", 0)) if "conv" in item else None
                     (r,) = verifier.map([(task.to_json(), b.artifact, conv, True)])
                     bad = r.value[1] if r.ok else (r.error.strip().splitlines() or ["worker failed"])[-1]
                     if not bad:
@@ -289,7 +333,7 @@ def main(argv: list[str]) -> int:
             sides, release = torch_sides(item)
             cmp = compare({**({"tuned": tuned} if tuned else {}), **sides}, args.pairs)
             release()
-            row.update({**timed_fields(task.flops, not bad, cmp), "verified": not bad, "note": bad[:120]})
+            row.update({**timed_fields(flops, not bad, cmp), "verified": not bad, "note": bad[:120]})
             rows.append(row)
             print(f"  {item['label']}: tuned {row['tuned_ms']} ms, torch {row['torch_ms']} ms "
                   f"(eager {row['torch_eager_ms']}), pairs ok {row['pairs_ok']}, {res.trials} trials, "

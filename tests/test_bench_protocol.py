@@ -11,6 +11,7 @@ import ast
 import math
 import pathlib
 
+import numpy as np
 import pytest
 
 from bench import common
@@ -261,6 +262,50 @@ def test_resnet50_total_leaves_out_rows_that_failed_verification():
                "torch_eager_ms": None, "verified": True}
     tot = resnet50_total(rows + [untimed])
     assert tot["layers"] == 5 and tot["excluded_failed"] == ["r50.1", "r50.3"]
+
+
+def test_resnet50_total_counts_each_layer_once_at_its_fastest_form():
+    """A layer tuned direct and in Winograd form counts once, at the faster verified one; a failed
+    form does not hide the layer's other form."""
+    from bench.tune_cuda import resnet50_total
+    row = {"layers": 3, "trials": 64, "torch_ms": 2.0, "torch_eager_ms": 3.0, "verified": True}
+    rows = [{**row, "task": "r50.10 128x28x28->128 k3 s1", "tuned_ms": 1.5},
+            {**row, "task": "r50.10 128x28x28->128 k3 s1 winograd F4", "tuned_ms": 1.0},
+            {**row, "task": "r50.16 256x14x14->256 k3 s1", "tuned_ms": 0.8, "layers": 5},
+            {**row, "task": "r50.16 256x14x14->256 k3 s1 winograd F2", "tuned_ms": None, "verified": False}]
+    tot = resnet50_total(rows)
+    assert tot["layers"] == 8 and tot["trials"] == 4 * 64
+    assert tot["tuned_ms"] == pytest.approx(3 * 1.0 + 5 * 0.8) and tot["torch_ms"] == pytest.approx(8 * 2.0)
+    assert tot["forms"] == [rows[1]["task"], rows[2]["task"]] and tot["excluded_failed"] == []
+
+
+def test_cuda_bench_winograd_items_are_the_3x3_stride1_layers_only():
+    from bench.tune_cuda import workloads
+    items = workloads("r50w4:9-12,r50:10")
+    assert [i["label"] for i in items] == ["r50.10 128x28x28->128 k3 s1 winograd F4", "r50.10 128x28x28->128 k3 s1"]
+    wino, direct = items
+    assert wino["workload"] == "conv2d_winograd" and wino["args"] == (1, 28, 28, 128, 128, 1, 4)
+    assert wino["conv"] == direct["conv"] == direct["args"] == (1, 28, 28, 128, 128, 3, 3, 1, 1)
+    for bad in ("r50w4:6", "r50:99", "r50w3:10", "resnet"):
+        with pytest.raises(SystemExit):
+            workloads(bad)
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_cuda_bench_checks_a_winograd_kernel_against_the_direct_conv(m):
+    """The inputs the GPU check gives a Winograd kernel (U transformed from a weight) make the Winograd
+    DAG compute exactly what PyTorch's direct conv of that weight computes, so a kernel that matches
+    the check computes the conv; an untransformed U would not."""
+    from bench.tune_cuda import checked_inputs
+    from tensortune.tasks.reference import evaluate, mismatch
+    from tensortune.tasks.workload_registry import make_dag
+    dag = make_dag("conv2d_winograd", 1, 8, 8, 4, 6, 1, m)
+    inputs, reference = checked_inputs(dag, (1, 1, m))
+    (out,) = evaluate(dag, inputs)
+    assert mismatch(out, reference().astype(np.float64)) is None
+    raw = dag.random_inputs(seed=99)
+    (wrong,) = evaluate(dag, raw)
+    assert mismatch(wrong, reference().astype(np.float64)) is not None
 
 
 # ---------------------------------------------------------------------------------- the ablation
