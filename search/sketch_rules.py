@@ -143,17 +143,34 @@ class SimplifyComputeWithConstTensor(SketchRule):
     `simplify_const_tensor_indices`): unroll those axes innermost so every select on them folds to one
     branch, and tile the other spatial axes in two levels (Ansor's RuleSimplifyComputeWithConstTensor).
     **(changed)** A second sketch keeps the last spatial axis's inner tile inside the unrolled axes,
-    so annotation can vectorise it (TVM's form leaves an unrolled loop innermost: never vectorised)."""
+    so annotation can vectorise it (TVM's form leaves an unrolled loop innermost: never vectorised).
+
+    **GPU (changed).** TVM writes these stages as reductions, so on a GPU each becomes a kernel of its
+    own (one thread per tile, the unrolled transform inside) and is never inlined. Ours are not
+    reductions, and AlwaysInline would fold them into their readers: data_pack into bgemm's
+    shared-memory fetch (each block transforming the tiles it reads, again for every block of output
+    channels), inverse into the output. Both are worth having, and which wins depends on the layer,
+    so on a GPU this rule forks: its own kernel here (the other axes stay whole; thread binding fuses
+    them anyway), inlined by the rules after it."""
     name = "simplify_compute_with_const_tensor"
 
     def meet_condition(self, ctx, state, sid):
         st = state.stages[sid]
         if st.is_placeholder or st.compute_at == "inline" or not const_tensor_axes(st.op.attrs):
             return Condition.PASS
+        if ctx.is_gpu and should_always_inline(ctx, state, sid):
+            return Condition.APPLY
         return Condition.APPLY_AND_SKIP_REST
 
     def apply(self, ctx, state, sid):
         const = const_tensor_axes(state.stages[sid].op.attrs)
+        if ctx.is_gpu:
+            iters = state.stages[sid].iters
+            order = [i for i, it in enumerate(iters) if it.name not in const]
+            s = state.reorder(sid, order + [i for i, it in enumerate(iters) if it.name in const])
+            for i in range(len(order), len(iters)):
+                s = s.unroll(sid, i)
+            return [(s, sid - 1)]
         s = state
         unrolled, tiled = [], []
         for it in list(state.stages[sid].iters):
@@ -348,7 +365,8 @@ def register_sketch_rule(rule: SketchRule, target_kind: str = "llvm") -> None:
 def default_rules(target_kind: str) -> list[SketchRule]:
     custom = list(_CUSTOM_RULES.get(target_kind, []))
     if target_kind == "cuda":
-        return custom + [AddCacheRead(), SpecialComputeLocationGPU(), AlwaysInline(), CrossThreadReduction(),
+        return custom + [AddCacheRead(), SpecialComputeLocationGPU(), SimplifyComputeWithConstTensor(),
+                         AlwaysInline(), CrossThreadReduction(),
                          AddCacheWrite(), MultiLevelTilingWithFusion(), MultiLevelTiling(), SkipStage()]
     return custom + [AlwaysInline(), SimplifyComputeWithConstTensor(), AddRfactor(), AddCacheWrite(),
                      MultiLevelTilingWithFusion(), MultiLevelTiling(), AddCacheReadPack(), SkipStage()]

@@ -105,13 +105,21 @@ SMALL_WORKLOADS = {
     "elementwise_gelu": (1, 2, 3, 10, "gelu"),
     "elementwise_sigmoid": (1, 2, 3, 10, "sigmoid"),
 }
+# GPU programs are also checked for the Winograd form, whose GPU sketches differ (a transform is a kernel
+# of its own or folded into its reader); on CPUs tests/test_winograd*.py cover it
+GPU_WORKLOADS = {
+    **SMALL_WORKLOADS,
+    "conv2d_winograd_f2": (1, 6, 6, 4, 8, 1, 2),
+    "conv2d_winograd_f4": (1, 8, 8, 4, 8, 1, 4),
+}
 
 
 def small_dag(key: str):
     from tensortune.tasks.workload_registry import make_dag
     name = {"batch_matmul_tb": "batch_matmul", "conv2d_nhwc": "conv2d", "elementwise_gelu": "elementwise",
-            "elementwise_sigmoid": "elementwise"}.get(key, key)
-    return make_dag(name, *SMALL_WORKLOADS[key])
+            "elementwise_sigmoid": "elementwise", "conv2d_winograd_f2": "conv2d_winograd",
+            "conv2d_winograd_f4": "conv2d_winograd"}.get(key, key)
+    return make_dag(name, *GPU_WORKLOADS[key])
 
 
 def check_state(state: State, seed: int = 0) -> None:

@@ -20,7 +20,7 @@ from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import SketchContext, generate_sketches
 from tensortune.tasks.search_task import SearchTask
 from tensortune.tasks.workload_registry import make_dag
-from tests.conftest import SMALL_WORKLOADS, small_dag
+from tests.conftest import GPU_WORKLOADS, small_dag
 
 TARGET = "cuda -arch=sm_90"
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
@@ -31,20 +31,22 @@ def gpu_task(key: str) -> SearchTask:
 
 
 @functools.lru_cache(maxsize=None)
-def gpu_programs(key: str, n: int = 2, seed: int = 0) -> tuple[State, ...]:
-    """n sampled GPU programs of a small workload, cycling over its sketches."""
+def gpu_programs(key: str, n: int | None = None, seed: int = 0) -> tuple[State, ...]:
+    """n sampled GPU programs of a small workload (by default two, and at least one of each sketch),
+    taking its sketches in turn."""
     task = gpu_task(key)
     sketches = generate_sketches(SketchContext(task))
+    n = max(2, len(sketches)) if n is None else n
     rng = random.Random(seed)
     out: list[State] = []
-    for i in range(4000):
+    for _ in range(4000):
         try:
-            out.append(sample_gpu_state(sketches[(len(out) + i) % len(sketches)], rng, task))
+            out.append(sample_gpu_state(sketches[len(out) % len(sketches)], rng, task))
         except (InvalidSample, IllegalStep):
             continue
         if len(out) == n:
             break
-    assert out, f"no GPU program could be sampled for {key}"
+    assert len(out) == n, f"only {len(out)} of {n} GPU programs could be sampled for {key}"
     return tuple(out)
 
 
@@ -55,7 +57,7 @@ def _kernel_name(key: str, i: int) -> str:
 @functools.lru_cache(maxsize=1)
 def _all_sources() -> dict[str, str]:
     return {key: "\n".join(generate(s, _kernel_name(key, i)).source for i, s in enumerate(gpu_programs(key)))
-            for key in sorted(SMALL_WORKLOADS)}
+            for key in sorted(GPU_WORKLOADS)}
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,7 +71,7 @@ def _compile_all() -> str | None:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("key", sorted(SMALL_WORKLOADS))
+@pytest.mark.parametrize("key", sorted(GPU_WORKLOADS))
 def test_sampled_programs_compile_for_sm90(key):
     src = _all_sources()[key]
     assert "__global__" in src
@@ -78,7 +80,7 @@ def test_sampled_programs_compile_for_sm90(key):
 
 
 def test_every_program_generates_and_respects_the_limits():
-    for key in sorted(SMALL_WORKLOADS):
+    for key in sorted(GPU_WORKLOADS):
         task = gpu_task(key)
         for s in gpu_programs(key):
             assert check_gpu_limits(s, task.hardware) is None

@@ -21,7 +21,7 @@ from tensortune.codegen.lower import THREAD_ALLREDUCE, lower
 from tensortune.schedule.state import State
 from tensortune.tasks import te
 from tensortune.tasks.reference import evaluate, mismatch
-from tests.conftest import SMALL_WORKLOADS
+from tests.conftest import GPU_WORKLOADS
 from tests.test_cuda_codegen import gpu_programs
 
 _UNARY = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "abs": np.abs, "floor": np.floor,
@@ -196,7 +196,7 @@ def check_simulated(state: State, seed: int = 0) -> None:
         assert bad is None, f"{t.name}: {bad}\nsteps: {state.steps_json()}"
 
 
-@pytest.mark.parametrize("key", sorted(SMALL_WORKLOADS))
+@pytest.mark.parametrize("key", sorted(GPU_WORKLOADS))
 def test_sampled_gpu_programs_compute_the_reference(key):
     for state in gpu_programs(key):
         check_simulated(state)

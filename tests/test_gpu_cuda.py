@@ -28,7 +28,7 @@ from tensortune.search.gpu_annotation import sample_gpu_state
 from tensortune.search.sketch_rules import SketchContext, generate_sketches
 from tensortune.tasks.reference import evaluate, mismatch
 from tensortune.tasks.workload_registry import make_dag
-from tests.conftest import SMALL_WORKLOADS
+from tests.conftest import GPU_WORKLOADS
 from tests.test_cuda_codegen import TARGET, gpu_programs
 
 pytestmark = [pytest.mark.gpu,
@@ -45,11 +45,11 @@ def _artifact(state: State, binary: bytes, name: str) -> Artifact:
 @functools.lru_cache(maxsize=1)
 def _all_artifacts() -> dict[str, list[Artifact]]:
     """Every op's sampled programs in one cubin (one nvcc call), one launch plan per program."""
-    names = {key: [f"{key}_{i}" for i in range(len(gpu_programs(key)))] for key in SMALL_WORKLOADS}
-    source = "\n".join(generate(s, n).source for key in SMALL_WORKLOADS
+    names = {key: [f"{key}_{i}" for i in range(len(gpu_programs(key)))] for key in GPU_WORKLOADS}
+    source = "\n".join(generate(s, n).source for key in GPU_WORKLOADS
                        for s, n in zip(gpu_programs(key), names[key]))
     binary = compile_cubin(source, device_hardware_params()[0])
-    return {key: [_artifact(s, binary, n) for s, n in zip(gpu_programs(key), names[key])] for key in SMALL_WORKLOADS}
+    return {key: [_artifact(s, binary, n) for s, n in zip(gpu_programs(key), names[key])] for key in GPU_WORKLOADS}
 
 
 def _check(kernel: CUDAKernel, dag, seed: int) -> None:
@@ -61,7 +61,7 @@ def _check(kernel: CUDAKernel, dag, seed: int) -> None:
         assert bad is None, f"{t.name}: {bad}"
 
 
-@pytest.mark.parametrize("key", sorted(SMALL_WORKLOADS))
+@pytest.mark.parametrize("key", sorted(GPU_WORKLOADS))
 def test_sampled_programs_match_the_reference_on_the_gpu(key):
     for i, art in enumerate(_all_artifacts()[key]):
         _check(CUDAKernel(art), gpu_programs(key)[i].dag, seed=11 + i)

@@ -108,6 +108,34 @@ def test_softmax_sketches_rfactor_its_reductions_and_stay_few():
     assert any(any(isinstance(x, RfactorStep) for x in s.state.steps) for s in sk)
 
 
+def test_gpu_winograd_transforms_are_kernels_of_their_own_or_folded_into_their_readers():
+    """On a GPU, data_pack and inverse each fork: a kernel of its own (TVM's form: at the root, the
+    transform's constant axes unrolled innermost, data_pad computed per tile just outside them) or
+    inlined into its reader (data_pack into bgemm's shared-memory fetch, inverse into the output)."""
+    task = make_task(make_dag("conv2d_winograd", 1, 28, 28, 128, 128, 1, 4), "cuda -arch=sm_90")
+    sketches = generate_sketches(SketchContext(task))
+    forms = set()
+    for sk in sketches:
+        st = sk.state
+        pack, inverse = st.stage_by_name("data_pack"), st.stage_by_name("inverse")
+        forms.add((pack.compute_at, inverse.compute_at))
+        for stage, const in ((pack, ["eps", "nu"]), (inverse, ["vh", "vw"])):
+            if stage.compute_at == "root":
+                assert [it.name for it in stage.iters[-2:]] == const
+                assert [it.annotation for it in stage.iters] == ["none", "none", "unroll", "unroll"]
+        pad = st.stage_by_name("data_pad")
+        if pack.compute_at == "root":
+            assert pad.compute_at == "iter" and pad.attach[0] == "data_pack" and pad.attach[1] is pack.iters[1].var
+        else:
+            assert pad.compute_at == "inline"
+        assert st.stage_by_name("bgemm").compute_at == "root"
+    assert forms == {("root", "root"), ("root", "inline"), ("inline", "root"), ("inline", "inline")}
+    assert len(sketches) == 4
+    # on a CPU the transforms stay stages of their own, once
+    cpu = generate_sketches(SketchContext(make_task(make_dag("conv2d_winograd", 1, 28, 28, 128, 128, 1, 4))))
+    assert all(sk.state.stage_by_name("data_pack").compute_at != "inline" for sk in cpu)
+
+
 def test_user_rule_runs_before_builtin_rules():
     calls = []
 
