@@ -317,7 +317,7 @@ def main(argv: list[str]) -> int:
             flops = make_task(make_dag("conv2d", *item["conv"]), target).flops if "conv" in item else task.flops
             row = {"gpu": name, "task": item["label"], "layers": item["count"],
                    "trials": res.trials, "gflop": flops / 1e9, "tune_s": wall,
-                   "errors": sum(r.errors for r in res.rounds)}
+                   "errors": sum(r.errors for r in res.rounds), "best_steps": res.best_steps}
             bad, tuned = "no valid program", None
             if res.best_steps:
                 (b,) = measurer.builder.build(task, [res.best_steps])
