@@ -11,7 +11,7 @@ from tensortune.codegen.artifact import Artifact
 from tensortune.codegen.llvm_backend import cold_start, compile_ir, pool_waker
 from tensortune.codegen.measure import BuildResult, LocalBuilder, LocalRunner, ProgramMeasurer
 from tensortune.codegen.target import make_task, parse_target
-from tensortune.codegen.timing import ErrorCode, TimingConfig, time_runs
+from tensortune.codegen.timing import NETWORK_TIMING, ErrorCode, TimingConfig, time_runs
 from tensortune.schedule.state import State
 from tensortune.tasks.workload_registry import make_dag
 
@@ -232,6 +232,39 @@ def test_a_cold_repeat_that_a_stall_covers_mostly_is_timed_longer(monkeypatch):
         clock[0], taken = 0.0, iter(agreeing + [99.0])
         assert time_runs(run, TimingConfig(number=3, repeat=1, flush_cache=True), flush=lambda: None,
                          warm=True) == pytest.approx([median])
+
+
+def test_cold_runs_come_after_flush_and_run_cycles_that_settle(monkeypatch):
+    """A kernel whose data settle into the caches over several runs (a network's steady state) is timed
+    once it no longer gets faster: untimed flush-and-run cycles until two in a row are no faster than
+    0.95 of the fastest so far. One already settled stops after three; none runs more than cold_warmup;
+    a run slower than the cutoff ends them; flush comes before every run, cycle or timed."""
+    clock, flushes = [0.0], [0]
+    taken = iter([])
+
+    def run(n: int) -> None:
+        clock[0] += next(taken)
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cfg = TimingConfig(number=3, repeat=1, flush_cache=True, cold_warmup=12)
+
+    def timed(durations: list[float], cutoff: float | None = None) -> list[float]:
+        nonlocal taken
+        taken, flushes[0] = iter(durations + [99.0]), 0
+        costs = time_runs(run, cfg, flush=lambda: flushes.__setitem__(0, flushes[0] + 1), warm=True,
+                          cutoff_s=cutoff)
+        return costs
+    # settling: 97 -> 73 -> 66 -> 58 -> 52 us, then 53 and 54 (no faster than 0.95 x 52): timed after them
+    assert timed([97e-6, 73e-6, 66e-6, 58e-6, 52e-6, 53e-6, 54e-6, 50e-6, 51e-6, 52e-6]) == pytest.approx([51e-6])
+    assert flushes[0] == 10
+    # already settled: three cycles (the first has nothing to be faster than), then the three timed runs
+    assert timed([50e-6, 51e-6, 49e-6, 50e-6, 52e-6, 51e-6]) == pytest.approx([51e-6]) and flushes[0] == 6
+    # never settling: cold_warmup cycles at most
+    assert timed([100e-6 * 0.9 ** i for i in range(12)] + [30e-6, 30e-6, 30e-6]) == pytest.approx([30e-6])
+    assert flushes[0] == 15
+    # a hopeless candidate (slower than the cutoff): no more cycles
+    assert timed([5e-3, 5e-3, 5e-3, 5e-3], cutoff=1e-3) == pytest.approx([5e-3]) and flushes[0] == 4
+    # NETWORK_TIMING runs them; other configurations (single-operator tuning, benchmarks) do not
+    assert NETWORK_TIMING.cold_warmup == timing.COLD_WARMUP > 0 and TimingConfig().cold_warmup == 0
 
 
 def test_a_runner_with_cache_flush_times_correct_kernels(task):
