@@ -91,6 +91,8 @@ class TimingOptions(BaseModel):
     slow_factor: float | None = Field(None, ge=0)
     flush_bytes: int | None = Field(None, ge=0, description="bytes streamed through the caches before each "
                                     "cold run (default: the network's footprint)")
+    cold_warmup: int | None = Field(None, ge=0, description="untimed flush-and-run cycles before the cold runs, "
+                                    "at most (they stop once the kernel no longer gets faster; 0: none)")
     build_timeout: float = Field(15.0, gt=0, description="seconds one candidate's build may take")
     run_timeout: float = Field(10.0, gt=0, description="seconds one candidate's timing may take")
 
