@@ -127,13 +127,15 @@ def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[
         for _ in range(cfg.warmup):
             run_n(1)
     if cfg.flush_cache and flush is not None:
-        number = max(1, cfg.number)
-        fastest, calm = math.inf, 0
-        for _ in range(cfg.cold_warmup):
+        def cold_run() -> float:
             flush()
             t0 = time.perf_counter()
             run_n(1)
-            secs = time.perf_counter() - t0
+            return time.perf_counter() - t0
+        number = max(1, cfg.number)
+        fastest, calm = math.inf, 0
+        for _ in range(cfg.cold_warmup):
+            secs = cold_run()
             if cutoff_s is not None and secs > cutoff_s:
                 break                  # a hopeless candidate: its timed runs below are enough
             calm = 0 if secs < SETTLED * fastest else calm + 1
@@ -144,11 +146,7 @@ def time_runs(run_n: Callable[[int], None], cfg: TimingConfig, flush: Callable[[
         for _ in range(max(cfg.repeat, 1)):
             runs: list[float] = []
             while not runs or (_stalled(runs) and len(runs) < COLD_ROUNDS * number):
-                for _ in range(number):
-                    flush()
-                    t0 = time.perf_counter()
-                    run_n(1)
-                    runs.append(time.perf_counter() - t0)
+                runs += [cold_run() for _ in range(number)]
             costs.append(float(np.median(runs)))
         return costs
     t0 = time.perf_counter()
