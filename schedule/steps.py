@@ -498,6 +498,21 @@ def _op_ids(state: "State") -> tuple[int, ...]:
     return tuple(id(s.op) for s in state.stages)
 
 
+def _loop_signature(stage: Stage) -> tuple:
+    """A stage's loops as plain values: its iterators (name, extent, kind) and split/fuse relations, each
+    loop variable named by its place (the op's axes first, then in order of appearance). Two stages of
+    the same op with equal signatures have the same loop structure, whatever their variable objects."""
+    index: dict[Var, int] = {v: i for i, v in enumerate(stage.op.axes + stage.op.reduce_axes)}
+
+    def at(v: Var) -> int:
+        return index.setdefault(v, len(index))
+
+    relations = tuple(("split", at(r.parent), r.parent_extent, tuple(map(at, r.children)), r.extents,
+                       r.inner_to_outer) if isinstance(r, Split) else
+                      ("fuse", tuple(map(at, r.parents)), r.extents, at(r.fused)) for r in stage.relations)
+    return relations, tuple((at(it.var), it.name, it.extent, it.kind) for it in stage.iters)
+
+
 def _redirect_loads(ops: list[Tensor], replaced: dict[Tensor, Tensor]) -> dict[int, Tensor]:
     """Point every later reader of a replaced op at its replacement, transitively (TVM's
     ReplaceDataFlow): a consumer that kept loading the old op would no longer be its consumer.
@@ -609,8 +624,14 @@ class RfactorStep(Step):
         return _rewrite_once(self, state)
 
     def rewrite_key(self, state: "State") -> tuple:
-        """The stages themselves: the new ops follow the factored stage's loops, not its op alone."""
-        return self, tuple(map(id, state.stages))
+        """The ops and the factored stage's loops (the new ops follow them), as `_loop_signature`: every
+        sample of a sketch splits the reduction before this step, so keyed by the stage objects each
+        one made its own ops and access analysis (a pool's round replayed 2 500 of them, a third of its
+        search). Whether a stage is computed at it is checked on each state: the key does not say."""
+        stage = check_stage(state, self.stage_id, "rfactor")
+        if _attached_to(state, stage.name):
+            raise IllegalStep(f"rfactor of {stage.name} must come before stages are computed at it")
+        return self, _op_ids(state), _loop_signature(stage)
 
     def rewrite(self, state: "State") -> Rewrite:
         stage = check_stage(state, self.stage_id, "rfactor")
@@ -618,8 +639,6 @@ class RfactorStep(Step):
         op = stage.op
         if not isinstance(op.body, te.Reduce) or it.kind != "reduce":
             raise IllegalStep(f"rfactor: iterator {it.name} of {stage.name} is not a reduction iterator")
-        if _attached_to(state, stage.name):
-            raise IllegalStep(f"rfactor of {stage.name} must come before stages are computed at it")
         spatial = [x for x in stage.iters if x.kind == "spatial"]
         if [x.var for x in spatial] != list(op.axes):
             raise IllegalStep(f"rfactor needs the spatial axes of {stage.name} untouched; apply it before "

@@ -193,3 +193,30 @@ def test_states_with_the_same_ops_and_inlining_share_their_effective_bodies():
     del dag, inlined, a, b, c, fresh
     gc.collect()
     assert gone() is None
+
+
+def test_an_rfactor_on_the_same_loops_shares_its_ops_and_follows_other_loops():
+    """Every sample of an rfactor sketch splits the reduction anew before the rfactor: samples whose
+    factored loops are alike (lengths, not variable objects) share the new ops and their analysis, while
+    other lengths make ops of their own; each computes the matmul."""
+    dag = make_dag("matmul", 8, 8, 256)
+    a = State(dag).split("C", 2, [16]).rfactor("C", 3, 2)
+    b = State(dag).split("C", 2, [16]).rfactor("C", 3, 2)
+    c = State(dag).split("C", 2, [32]).rfactor("C", 3, 2)
+    assert [s.name for s in a.stages] == ["A", "B", "C.rf", "C"]
+    assert all(x.op is y.op for x, y in zip(a.stages, b.stages)) and a.analysis is b.analysis
+    assert a.stage_by_name("C.rf").op is not c.stage_by_name("C.rf").op
+    assert a.stage_by_name("C.rf").op.shape == (8, 8, 16) and c.stage_by_name("C.rf").op.shape == (8, 8, 32)
+    for s in (a, b, c):
+        check_state(s)
+
+
+def test_rfactor_of_a_stage_with_a_stage_computed_at_it_fails_though_its_loops_were_factored_before():
+    """The shared rfactor is keyed by the ops and the factored loops, which do not say where other stages
+    are computed: the rule that nothing is attached to the factored stage is checked on every state."""
+    dag = make_dag("matmul", 8, 8, 256)
+    packed = State(dag).cache_read("B", "local", ["C"])
+    packed.split("C", 2, [16]).rfactor("C", 3, 2)
+    attached = packed.split("C", 2, [16]).compute_at("B.local", "C", 1)
+    with pytest.raises(IllegalStep, match="must come before stages are computed at it"):
+        attached.rfactor("C", 3, 2)
