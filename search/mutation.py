@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace as dc_replace
+from typing import cast
 
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
@@ -32,10 +33,12 @@ from tensortune.search.candidate import Candidate
 def mutate_tile_size(c: Candidate, rng: random.Random, max_innermost: int) -> Candidate | None:
     """Move one factor between two levels of a split, keeping the product (TVM's MutateTileSize)."""
     ids: list[tuple[int, SplitStep, int, tuple[int, ...]]] = []     # (step index, step, extent, lengths)
-    for i, st in enumerate(c.steps):
-        known = _known_lengths(st.lengths) if isinstance(st, SplitStep) else None
-        if isinstance(st, SplitStep) and st.extent and known is not None and st.inner_to_outer \
-                and known[-1] <= max_innermost and st.extent > 1:
+    for i, st in enumerate(c.steps):     # evolution calls this ~6000 times a round: the cheap tests first
+        if not (isinstance(st, SplitStep) and st.inner_to_outer and st.extent and st.extent > 1) \
+                or None in st.lengths:
+            continue
+        known = cast("tuple[int, ...]", st.lengths)          # every length known: checked above
+        if known[-1] <= max_innermost:
             ids.append((i, st, st.extent, known))
     if not ids:
         return None
@@ -64,16 +67,10 @@ def mutate_tile_size(c: Candidate, rng: random.Random, max_innermost: int) -> Ca
         new[src] //= f
         new[dst] *= f
         steps = list(c.steps)
-        steps[i] = dc_replace(split, lengths=tuple(new[1:]))
+        steps[i] = SplitStep(split.stage_id, split.iter_id, split.extent, tuple(new[1:]), split.inner_to_outer)
         rfactor_next = i + 1 < len(steps) and isinstance(steps[i + 1], RfactorStep)
         return c.with_steps(tuple(steps), same_structure=not rfactor_next)
     return None
-
-
-def _known_lengths(lengths: tuple[int | None, ...]) -> tuple[int, ...] | None:
-    """A split's lengths when every one is known (None: one is left for the search to fill)."""
-    known = tuple(x for x in lengths if x is not None)
-    return known if len(known) == len(lengths) else None
 
 
 def mutate_auto_unroll(c: Candidate, rng: random.Random, gpu: bool = False) -> Candidate | None:
@@ -88,9 +85,17 @@ def mutate_auto_unroll(c: Candidate, rng: random.Random, gpu: bool = False) -> C
     return c.with_steps(tuple(steps), same_structure=True)
 
 
-def _replay(c: Candidate, steps: list[Step]) -> Candidate | None:
+def _replay(c: Candidate, steps: list[Step], start: State | None = None) -> Candidate | None:
+    """The mutated program, if its steps apply and it is valid. `start`: the state after the steps it
+    shares with `c` (replay is deterministic, so applying the rest to it gives the state a replay from
+    the DAG would)."""
     try:
-        state = State.replay(c.dag, steps)
+        if start is None:
+            state = State.replay(c.dag, steps)
+        else:
+            state = start
+            for step in steps[len(start.steps):]:
+                state = step.apply(state)
     except IllegalStep:
         return None
     if utils.has_nested_parallel(state) or utils.stage_read_outside_its_loop(state) is not None:
@@ -98,8 +103,21 @@ def _replay(c: Candidate, steps: list[Step]) -> Candidate | None:
     return c.with_steps(state.steps, state)
 
 
+def _states_along(c: Candidate) -> list[State]:
+    """The state after each prefix of c's steps ([k]: after k steps; the last is c's state), from one
+    replay: a compute-location mutation needs the whole program, the state before the step it changes,
+    and the child, which shares every step before that one (three replays from the DAG before)."""
+    state = State(c.dag)
+    states = [state]
+    for step in c.steps:
+        state = step.apply(state)
+        states.append(state)
+    return states
+
+
 def mutate_compute_location(c: Candidate, rng: random.Random) -> Candidate | None:
-    state = c.state
+    states = _states_along(c)
+    state = states[-1]
     ids: list[tuple[int, ComputeAtStep]] = []
     for i, st in enumerate(c.steps):
         if isinstance(st, ComputeAtStep):
@@ -111,14 +129,14 @@ def mutate_compute_location(c: Candidate, rng: random.Random) -> Candidate | Non
         return None
     i, at = rng.choice(ids)
     # candidates are judged on the state just before this step
-    before = State.replay(c.dag, c.steps[:i])
+    before = states[i]
     cands = utils.compute_location_candidates(before, at.stage_id)
     if not cands:
         return None
     target, it = rng.choice(cands)
     steps = list(c.steps)
     steps[i] = ComputeAtStep(at.stage_id, target, it)
-    return _replay(c, steps)
+    return _replay(c, steps, before)
 
 
 def mutate_parallel(c: Candidate, rng: random.Random) -> Candidate | None:

@@ -7,7 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tensortune.codegen.lower import lower
 from tensortune.codegen.target import make_task
+from tensortune.schedule.state import State
 from tensortune.schedule.steps import SplitStep
 from tensortune.search.mutation import (
     crossover,
@@ -55,6 +57,21 @@ def test_sampled_mutated_and_crossed_programs_are_correct(key, seed):
         assert "tile size" in children, f"{key}: no tile-size mutation of a tiled program"
     for c in progs + list(children.values()):
         check_state(c.state, seed=seed % 1000)
+
+
+@pytest.mark.parametrize("key", ["conv2d_relu", "matmul_bias_relu"])
+def test_a_compute_location_child_replayed_from_its_parents_prefix_is_the_program_its_steps_make(key):
+    """A compute-location mutation applies the changed step and those after it to the parent's state
+    before that step, not a replay from the DAG: the child's state must be the one its steps replay to
+    (the same lowered loop nest), whatever the parent."""
+    pol = _policy(key)
+    pol.rng = random.Random(3)
+    rng = random.Random(3)
+    pairs = [(c, child) for c in pol.sample(40) if (child := mutate_compute_location(c, rng)) is not None]
+    assert len(pairs) >= 5, f"{key}: too few compute-location mutations to compare"
+    assert any(child.steps != parent.steps for parent, child in pairs), f"{key}: no child moved a stage"
+    for _, child in pairs:
+        assert lower(child.state).text() == lower(State.replay(child.dag, child.steps)).text()
 
 
 def _steps_by_stage(c) -> dict[int, list]:
