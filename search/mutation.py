@@ -86,9 +86,9 @@ def mutate_auto_unroll(c: Candidate, rng: random.Random, gpu: bool = False) -> C
 
 
 def _replay(c: Candidate, steps: list[Step], start: State | None = None) -> Candidate | None:
-    """The mutated program, if its steps apply and it is valid. `start`: the state after the steps it
-    shares with `c` (replay is deterministic, so applying the rest to it gives the state a replay from
-    the DAG would)."""
+    """The mutated program, if its steps apply and it is valid. `start`: the state after the first
+    len(start.steps) of `steps` (a mutation replayed them to decide; replay is deterministic, so applying
+    the rest to it gives the state a replay from the DAG would)."""
     try:
         if start is None:
             state = State.replay(c.dag, steps)
@@ -175,7 +175,7 @@ def mutate_parallel(c: Candidate, rng: random.Random) -> Candidate | None:
         if isinstance(st, (CacheReadStep, CacheWriteStep, RfactorStep)):
             return None
         steps.append(st)
-    return _replay(c, steps)
+    return _replay(c, steps, before)                # the child shares the steps before the fuse
 
 
 # ------------------------------------------------------------------------------------ crossover
