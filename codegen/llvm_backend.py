@@ -33,14 +33,22 @@ _lock = threading.Lock()
 
 
 @lru_cache(maxsize=None)
+def _gomp() -> ctypes.CDLL:
+    """libgomp, found once: find_library runs `ldconfig -p` in a subprocess, and a runner sets the
+    thread count before every candidate it times."""
+    path = ctypes.util.find_library("gomp")
+    if path is None:
+        raise RuntimeError("libgomp is not installed (parallel loops run on its thread pool); "
+                           "install it, e.g. `apt-get install libgomp1`")
+    llvm.load_library_permanently(path)
+    return ctypes.CDLL(path)
+
+
+@lru_cache(maxsize=None)
 def _init() -> bool:
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    gomp = ctypes.util.find_library("gomp")
-    if gomp is None:
-        raise RuntimeError("libgomp is not installed (parallel loops run on its thread pool); "
-                           "install it, e.g. `apt-get install libgomp1`")
-    llvm.load_library_permanently(gomp)
+    _gomp()
     return True
 
 
@@ -49,7 +57,7 @@ def set_default_threads(n: int) -> None:
     kernels carry their own thread count; this keeps anything else a runner runs from inheriting a
     worker's OMP_NUM_THREADS=1."""
     _init()
-    ctypes.CDLL(ctypes.util.find_library("gomp")).omp_set_num_threads(ctypes.c_int(n))
+    _gomp().omp_set_num_threads(ctypes.c_int(n))
 
 
 def _new_target_machine(cpu: str, features: str):
