@@ -246,9 +246,12 @@ def retrain_cost_model(s: Session, why: str) -> dict[str, Any]:
     log = get_run_logger()
     if report.trained:
         m = report.metrics
+        # the figures are on the programs the last model had not seen: after the first training, the ones
+        # the search picked by it, which rank closer together than a task's whole history does
         log.info(f"cost model {report.version}: {report.record_count} programs ({report.new_records} new), "
-                 f"held-out pairwise accuracy {m.get('pairwise_accuracy')}, recall@{m.get('k')} "
-                 f"{m.get('recall_at_k')}, {report.seconds:.1f} s")
+                 f"pairwise accuracy {_figure(m.get('pairwise_accuracy'))}, recall@{m.get('k')} "
+                 f"{_figure(m.get('recall_at_k'))} on programs it had not seen (since the last training: the "
+                 f"search's own picks), {report.seconds:.1f} s")
     else:
         log.info(f"cost model unchanged ({report.version or 'random'}): {report.reason}")
     return {"trained": report.trained, "version": report.version, "records": report.record_count,
@@ -536,3 +539,8 @@ def tune_op_flow(workload: str, args: list[Any], trials: int = 64, target: str =
                           measurer=_measurer(client, timing, where.workers), per_round=per_round,
                           retrain_every=retrain_every,
                           model_warmup=model_warmup, seed=seed, search=search, flow_run_id=_flow_run_id())
+
+
+def _figure(x: object) -> str:
+    """A training metric for a log line: three decimals (a metric may be missing or NaN)."""
+    return f"{x:.3f}" if isinstance(x, float) else str(x)
