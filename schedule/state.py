@@ -7,6 +7,7 @@ all lowering needs to compute index expressions and bounds.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Callable, Iterable, Sequence
 
@@ -239,9 +240,13 @@ class State:
     # ----------------------------------------------------------------- replay and records
 
     @staticmethod
-    def replay(dag: ComputeDAG, steps: Iterable[Step]) -> "State":
-        state = State(dag)
-        for i, step in enumerate(steps):
+    def replay(dag: ComputeDAG, steps: Iterable[Step], start: "State | None" = None) -> "State":
+        """The state `steps` make from the DAG. `start`: a state the first len(start.steps) of them
+        already made (a mutation replayed them to decide what to change); replay is deterministic, so
+        the rest applied to it give the state a replay from the DAG would."""
+        state = start if start is not None else State(dag)
+        done = len(state.steps)
+        for i, step in enumerate(itertools.islice(steps, done, None), done):
             try:
                 state = step.apply(state)
             except IllegalStep as err:

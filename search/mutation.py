@@ -6,6 +6,7 @@ compute-location, parallel and crossover change structure and are validated by r
 """
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import replace as dc_replace
 from typing import cast
@@ -86,16 +87,9 @@ def mutate_auto_unroll(c: Candidate, rng: random.Random, gpu: bool = False) -> C
 
 
 def _replay(c: Candidate, steps: list[Step], start: State | None = None) -> Candidate | None:
-    """The mutated program, if its steps apply and it is valid. `start`: the state after the first
-    len(start.steps) of `steps` (a mutation replayed them to decide; replay is deterministic, so applying
-    the rest to it gives the state a replay from the DAG would)."""
+    """The mutated program, if its steps apply and it is valid (`start`: as State.replay's)."""
     try:
-        if start is None:
-            state = State.replay(c.dag, steps)
-        else:
-            state = start
-            for step in steps[len(start.steps):]:
-                state = step.apply(state)
+        state = State.replay(c.dag, steps, start)
     except IllegalStep:
         return None
     if utils.has_nested_parallel(state) or utils.stage_read_outside_its_loop(state) is not None:
@@ -107,12 +101,7 @@ def _states_along(c: Candidate) -> list[State]:
     """The state after each prefix of c's steps ([k]: after k steps; the last is c's state), from one
     replay: a compute-location mutation needs the whole program, the state before the step it changes,
     and the child, which shares every step before that one (three replays from the DAG before)."""
-    state = State(c.dag)
-    states = [state]
-    for step in c.steps:
-        state = step.apply(state)
-        states.append(state)
-    return states
+    return list(itertools.accumulate(c.steps, lambda state, step: step.apply(state), initial=State(c.dag)))
 
 
 def mutate_compute_location(c: Candidate, rng: random.Random) -> Candidate | None:
