@@ -396,6 +396,15 @@ def _attached_to(state: "State", name: str) -> list[str]:
     return [s.name for s in state.stages if s.compute_at == "iter" and s.attach is not None and s.attach[0] == name]
 
 
+def _unattached_stage(state: "State", stage_id: int, what: str) -> Stage:
+    """The stage a cache_write or rfactor rewrites, which nothing may be computed at yet. Their shared
+    rewrites are keyed by what this check does not see, so each state is checked before the memo."""
+    stage = check_stage(state, stage_id, what)
+    if _attached_to(state, stage.name):
+        raise IllegalStep(f"{what} of {stage.name} must come before stages are computed at it")
+    return stage
+
+
 @dataclass(frozen=True)
 class ComputeInlineStep(Step):
     stage_id: int
@@ -587,9 +596,7 @@ class CacheWriteStep(Step):
 
     def rewrite_key(self, state: "State") -> tuple:
         """The ops, once the stage is known to have nothing computed at it (which they do not say)."""
-        stage = check_stage(state, self.stage_id, "cache_write")
-        if _attached_to(state, stage.name):
-            raise IllegalStep(f"cache_write of {stage.name} must come before stages are computed at it")
+        _unattached_stage(state, self.stage_id, "cache_write")
         return self, _op_ids(state)
 
     def rewrite(self, state: "State") -> Rewrite:
@@ -628,10 +635,7 @@ class RfactorStep(Step):
         sample of a sketch splits the reduction before this step, so keyed by the stage objects each
         one made its own ops and access analysis (a pool's round replayed 2 500 of them, a third of its
         search). Whether a stage is computed at it is checked on each state: the key does not say."""
-        stage = check_stage(state, self.stage_id, "rfactor")
-        if _attached_to(state, stage.name):
-            raise IllegalStep(f"rfactor of {stage.name} must come before stages are computed at it")
-        return self, _op_ids(state), _loop_signature(stage)
+        return self, _op_ids(state), _loop_signature(_unattached_stage(state, self.stage_id, "rfactor"))
 
     def rewrite(self, state: "State") -> Rewrite:
         stage = check_stage(state, self.stage_id, "rfactor")
