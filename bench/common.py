@@ -333,7 +333,7 @@ def environment(threads: int | None = None, peak: bool = True) -> dict:
     print(describe(env["host_noise"]["start"]), flush=True)
     if peak:
         # the best run is the peak every fraction divides by; the median run says how far this VM's
-        # lent vCPUs fall below it meanwhile (README, "The bar on an Intel Xeon VM": 0.83-0.96)
+        # lent vCPUs fall below it meanwhile (docs/performance.md, "The bar on an Intel Xeon VM": 0.83-0.96)
         env["fma_peak_gflops"], env["fma_peak_median_gflops"] = {}, {}
         for t in sorted({1, threads or 1}):
             runs = fma_peak_runs(t)

@@ -156,7 +156,7 @@ def retime_against_library(key: str, task, fastest: list, threads: int, pairs: i
     the runner's protocol is bench.common's). The runner checks each output against the NumPy
     reference, so a wrong program fails its pairs. The runner is the only one alive: two processes'
     thread pools meeting on two cores can put a kernel into a slow mode that costs milliseconds per
-    parallel region (README, "Tuning one operator")."""
+    parallel region (docs/performance.md, "Tuning one operator")."""
     from tensortune.codegen.measure import LocalRunner
     from tensortune.codegen.timing import TimingConfig
     lib, fn = library_fn(key, task.dag, threads)

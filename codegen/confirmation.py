@@ -4,7 +4,7 @@ A task's best is the minimum over every program measured for it, and each progra
 timings are noisy (a cold network timing on a shared 2-vCPU VM varies by 10-40 % between calls), and
 late in a search hundreds of programs are nearly equal, so the minimum is the luckiest draw among them
 rather than the fastest program: ResNet-18's 14² Winograd conv recorded 0.269 ms and re-timed at 0.34,
-0.47 and 0.46 ms by the same measurer (Zen 5; README, network rows). The estimate built from such bests
+0.47 and 0.46 ms by the same measurer (Zen 5; docs/performance.md, network rows). The estimate built from such bests
 ran 15-20 % below the measured network, and the search kept comparing against a figure no program
 reaches again.
 

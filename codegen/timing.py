@@ -83,7 +83,7 @@ class TimingConfig:
 # 1.21-1.24x after 2 cycles, 1.09-1.16x after 5, 1.06-1.08x after 10); a candidate whose data are
 # already settled (the rest of a batch) stops after a few, the first of a batch runs more. The main
 # job's records then sum to 8-11 % under its network's end-to-end time, where they were 37-38 % over,
-# for networks as fast (README, "Kernels timed at the network's pace").
+# for networks as fast (docs/performance.md, "Kernels timed at the network's pace").
 COLD_WARMUP = 12               # cycles at most; fewer once SETTLED_RUNS in a row are no faster than
 SETTLED = 0.95                 # this fraction of the fastest cycle so far
 SETTLED_RUNS = 2

@@ -142,7 +142,7 @@ MIN_FIT_PROGRAMS = 8
 # model at all. Trusting it from its first fit found faster programs by 128 trials in six of six runs
 # in rounds of 32 against TVM's 100 in rounds of 64 (Zen 5, 2026-11-25; matmul 1024^3 / ResNet-18
 # conv, seeds 0-2: 381 -> 449 and 300 -> 350 GFLOP/s on average), and in two of four in rounds of 64
-# (one slower, one even; README, "Fewer trials"): a model fitted on a few dozen programs already ranks
+# (one slower, one even; docs/performance.md, "Fewer trials"): a model fitted on a few dozen programs already ranks
 # better than chance, and eps-greedy keeps drawing random programs beside it.
 WARMUP_PROGRAMS = 0
 

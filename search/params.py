@@ -14,7 +14,7 @@ class SearchParams:
     emits any width as whole vectors, so every innermost tile the splits may draw (64) is vectorised.
     `python -m bench space`, 128 random programs each, two seeds, Zen 5 (AVX-512): the fastest matmul
     1024^3 ran 454 / 449 GFLOP/s with 64 and 393 / 425 with 16, its 90th percentile 341 / 372 against
-    223 / 262; the NCHW ResNet-18 conv 436 / 429 against 269 / 332 (README)."""
+    223 / 262; the NCHW ResNet-18 conv 436 / 429 against 269 / 332 (docs/performance.md)."""
     population: int = 2048
     num_iters: int = 4
     mutation_prob: float = 0.85
