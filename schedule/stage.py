@@ -7,7 +7,7 @@ stages and shift later ids.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from tensortune.tasks import te
 from tensortune.tasks.compute_dag import ComputeDAG
@@ -23,7 +23,18 @@ class IllegalStep(ValueError):
     """A transform that cannot apply to this state; the message says which stage/iterator and why."""
 
 
-@dataclass(frozen=True, slots=True)
+# Iterator, Split and Stage are frozen dataclasses whose __init__ is written out (init=False): the
+# generated one sets each field through object.__setattr__, which finds the slot by name, and a replay
+# builds some sixty of these objects per program. Setting the slots through their descriptors
+# (`_slot_setters`, taken below each class) builds one in a third less time. Equality, hashing, repr
+# and immutability are still the dataclass's.
+
+def _slot_setters(cls: type) -> tuple:
+    """The __set__ of each field's slot descriptor, in field order."""
+    return tuple(cls.__dict__[f.name].__set__ for f in fields(cls))
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Iterator:
     name: str
     extent: int | None
@@ -31,6 +42,16 @@ class Iterator:
     annotation: str = "none"
     var: Var = field(default=None, compare=False, repr=False)  # type: ignore[assignment]  # set by every maker
     pragmas: tuple = ()          # (("auto_unroll_max_step", 64),)
+
+    def __init__(self, name: str, extent: int | None, kind: str, annotation: str = "none",
+                 var: Var = None, pragmas: tuple = ()):  # type: ignore[assignment]
+        set_name, set_extent, set_kind, set_annotation, set_var, set_pragmas = _ITERATOR_SLOTS
+        set_name(self, name)
+        set_extent(self, extent)
+        set_kind(self, kind)
+        set_annotation(self, annotation)
+        set_var(self, var)
+        set_pragmas(self, pragmas)
 
     @property
     def known_extent(self) -> int:
@@ -40,7 +61,10 @@ class Iterator:
         return self.extent
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+_ITERATOR_SLOTS = _slot_setters(Iterator)
+
+
+@dataclass(frozen=True, slots=True, eq=False, init=False)
 class Split:
     parent: Var
     parent_extent: int | None
@@ -48,6 +72,19 @@ class Split:
     extents: tuple[int | None, ...]   # as seen by the State (before region tightening)
     inner_to_outer: bool = True
     step: int = -1                    # index of the step that made it (feature templates map lengths)
+
+    def __init__(self, parent: Var, parent_extent: int | None, children: tuple[Var, ...],
+                 extents: tuple[int | None, ...], inner_to_outer: bool = True, step: int = -1):
+        set_parent, set_parent_extent, set_children, set_extents, set_inner_to_outer, set_step = _SPLIT_SLOTS
+        set_parent(self, parent)
+        set_parent_extent(self, parent_extent)
+        set_children(self, children)
+        set_extents(self, extents)
+        set_inner_to_outer(self, inner_to_outer)
+        set_step(self, step)
+
+
+_SPLIT_SLOTS = _slot_setters(Split)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -57,7 +94,7 @@ class Fuse:
     fused: Var
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Stage:
     op: Tensor
     iters: tuple[Iterator, ...]
@@ -67,6 +104,20 @@ class Stage:
     scope: str = "global"
     storage_align: tuple = ()              # ((axis, factor, offset),)
     origin: str = ""                       # "cache_write" | "cache_read" | "rfactor" | "" (from the DAG)
+
+    def __init__(self, op: Tensor, iters: tuple[Iterator, ...], relations: tuple = (), compute_at: str = "root",
+                 attach: tuple[str, Var] | None = None, scope: str = "global", storage_align: tuple = (),
+                 origin: str = ""):
+        (set_op, set_iters, set_relations, set_compute_at, set_attach, set_scope, set_storage_align,
+         set_origin) = _STAGE_SLOTS
+        set_op(self, op)
+        set_iters(self, iters)
+        set_relations(self, relations)
+        set_compute_at(self, compute_at)
+        set_attach(self, attach)
+        set_scope(self, scope)
+        set_storage_align(self, storage_align)
+        set_origin(self, origin)
 
     @property
     def name(self) -> str:
@@ -87,6 +138,9 @@ class Stage:
             if it.var is var:
                 return i
         raise KeyError(var)
+
+
+_STAGE_SLOTS = _slot_setters(Stage)
 
 
 def initial_stage(op: Tensor, scope: str = "global", origin: str = "") -> Stage:

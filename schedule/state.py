@@ -52,17 +52,13 @@ class State:
         self.steps = steps
         self._analysis: AccessAnalysis | None = None
 
-    def _derive(self, stages: list[Stage], step: Step) -> "State":
+    def _derive(self, stages: list[Stage], step: Step, same_ops: bool = True) -> "State":
+        """The state `step` makes, with `stages`. Only cache_read, cache_write and rfactor give stages
+        new ops (same_ops=False); every other step keeps each stage's op, so the access analysis of the
+        ops carries over, and the step says so rather than a scan of the ops on every step of a replay."""
         new = State(self.dag, tuple(stages), self.steps + (step,))
-        # most steps keep every stage's op: the access analysis of the ops carries over
-        if self._analysis is not None and len(stages) == len(self.stages) and \
-                all(a.op is b.op for a, b in zip(stages, self.stages)):
+        if same_ops:
             new._analysis = self._analysis
-        return new
-
-    def _replace_last_step(self, step: Step) -> "State":
-        new = State(self.dag, self.stages, self.steps[:-1] + (step,))
-        new._analysis = self._analysis
         return new
 
     # ----------------------------------------------------------------- lookup

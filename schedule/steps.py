@@ -58,10 +58,12 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 
 def check_stage(state: "State", stage_id: int, what: str) -> Stage:
-    if not isinstance(stage_id, int) or not 0 <= stage_id < len(state.stages):
-        raise IllegalStep(f"{what}: stage {stage_id} does not exist (the state has {len(state.stages)} stages)")
-    stage = state.stages[stage_id]
-    if stage.is_placeholder and what not in ("cache_read",):
+    stages = state.stages
+    if not isinstance(stage_id, int) or not 0 <= stage_id < len(stages):
+        raise IllegalStep(f"{what}: stage {stage_id} does not exist (the state has {len(stages)} stages)")
+    stage = stages[stage_id]
+    # stage.is_placeholder, read straight from the op: every step of every replay checks its stage
+    if stage.op.body is None and what != "cache_read":
         raise IllegalStep(f"{what}: stage {stage_id} ({stage.name}) is a placeholder; it has no loops")
     return stage
 
@@ -78,6 +80,43 @@ def _remap_attach(stages: list[Stage], target_name: str, mapping: dict[Var, Var]
             stages[i] = s.replace(attach=(target_name, mapping[s.attach[1]]))
 
 
+def _split(state: "State", step: Step, stage_id: int, iter_id: int, lengths: tuple[int | None, ...],
+           inner_to_outer: bool) -> "State":
+    """Split iterator `iter_id` of a stage by `lengths`, recorded as `step`: a SplitStep, or a follow
+    split that splits like one and records itself. The hottest step of a search (about ten in each
+    sampled program): a follow split calls this rather than build a SplitStep, apply it and make a
+    second State to swap the step recorded."""
+    stage = check_stage(state, stage_id, "split")
+    it = check_iter(stage, iter_id, "split")
+    lengths = tuple(lengths)          # (a tuple already, unless a caller built the step with a list)
+    if not lengths:
+        raise IllegalStep(f"split of {stage.name}.{it.name} needs at least one length")
+    prod = 1
+    for ln in lengths:
+        if ln is not None:
+            if not isinstance(ln, int) or isinstance(ln, bool) or ln <= 0:
+                raise IllegalStep(f"split of {stage.name}.{it.name}: lengths must be positive integers, "
+                                  f"got {list(lengths)}")
+            prod *= ln
+    extent = it.extent
+    if extent is not None and prod > extent:
+        raise IllegalStep(f"split lengths {list(lengths)} (product {prod}) do not fit iterator "
+                          f"{it.name} of extent {extent} in stage {stage.name}")
+    # The remaining piece rounds up like TVM; an open length leaves it open.
+    rest = None if extent is None or None in lengths else -(-extent // prod)
+    extents = (rest,) + lengths if inner_to_outer else lengths + (rest,)
+    name, kind = it.name, it.kind
+    names = [f"{name}.{i}" for i in range(len(extents))]
+    new_vars = tuple([Var(nm) for nm in names])
+    new_iters = tuple([Iterator(nm, ext, kind, "none", var) for nm, ext, var in zip(names, extents, new_vars)])
+    rel = Split(it.var, extent, new_vars, extents, inner_to_outer, len(state.steps))
+    stages = list(state.stages)
+    stages[stage_id] = stage.replace(iters=stage.iters[:iter_id] + new_iters + stage.iters[iter_id + 1:],
+                                     relations=stage.relations + (rel,))
+    _remap_attach(stages, stage.name, {it.var: new_vars[-1]})
+    return state._derive(stages, step)
+
+
 @dataclass(frozen=True)
 class SplitStep(Step):
     stage_id: int
@@ -88,46 +127,7 @@ class SplitStep(Step):
     code = "SP"
 
     def apply(self, state: "State") -> "State":
-        stage = check_stage(state, self.stage_id, "split")
-        it = check_iter(stage, self.iter_id, "split")
-        if not self.lengths:
-            raise IllegalStep(f"split of {stage.name}.{it.name} needs at least one length")
-        for ln in self.lengths:
-            if ln is not None and (not isinstance(ln, int) or isinstance(ln, bool) or ln <= 0):
-                raise IllegalStep(f"split of {stage.name}.{it.name}: lengths must be positive integers, "
-                                  f"got {list(self.lengths)}")
-        known = [ln for ln in self.lengths if ln is not None]
-        prod = 1
-        for ln in known:
-            prod *= ln
-        if it.extent is not None and prod > it.extent:
-            raise IllegalStep(f"split lengths {list(self.lengths)} (product {prod}) do not fit iterator "
-                              f"{it.name} of extent {it.extent} in stage {stage.name}")
-        lengths = list(self.lengths) if self.inner_to_outer else list(self.lengths)
-        # Extents from the innermost piece outwards, rounding up like TVM.
-        extents: list[int | None] = []
-        rest = it.extent
-        n = len(lengths)
-        order = range(n - 1, -1, -1) if self.inner_to_outer else range(n)
-        pieces: list[int | None] = [None] * n
-        for i in order:
-            ln = lengths[i]
-            pieces[i] = ln
-            rest = None if (rest is None or ln is None) else -(-rest // ln)
-        if self.inner_to_outer:
-            extents = [rest] + pieces
-            names = [f"{it.name}.0"] + [f"{it.name}.{i + 1}" for i in range(n)]
-        else:
-            extents = pieces + [rest]
-            names = [f"{it.name}.{i}" for i in range(n + 1)]
-        new_iters = tuple(Iterator(nm, ext, it.kind, var=Var(nm)) for nm, ext in zip(names, extents))
-        rel = Split(it.var, it.extent, tuple(x.var for x in new_iters), tuple(extents), self.inner_to_outer,
-                    len(state.steps))
-        iters = stage.iters[:self.iter_id] + new_iters + stage.iters[self.iter_id + 1:]
-        stages = list(state.stages)
-        stages[self.stage_id] = stage.replace(iters=iters, relations=stage.relations + (rel,))
-        _remap_attach(stages, stage.name, {it.var: new_iters[-1].var})
-        return state._derive(stages, self)
+        return _split(state, self, self.stage_id, self.iter_id, self.lengths, self.inner_to_outer)
 
     def to_json(self) -> list:
         return [self.code, self.stage_id, self.iter_id, self.extent, list(self.lengths), int(self.inner_to_outer)]
@@ -166,10 +166,8 @@ class FollowSplitStep(Step):
         return tuple(out + [last])
 
     def apply(self, state: "State") -> "State":
-        stage = check_stage(state, self.stage_id, "follow_split")
-        it = check_iter(stage, self.iter_id, "follow_split")
-        inner = SplitStep(self.stage_id, self.iter_id, it.extent, self.lengths(state), True)
-        return inner.apply(state)._replace_last_step(self)
+        check_iter(check_stage(state, self.stage_id, "follow_split"), self.iter_id, "follow_split")  # its own words
+        return _split(state, self, self.stage_id, self.iter_id, self.lengths(state), True)
 
     def to_json(self) -> list:
         return [self.code, self.stage_id, self.iter_id, self.src_step_id, self.n_split]
@@ -204,15 +202,9 @@ class FollowFusedSplitStep(Step):
         stage = check_stage(state, self.stage_id, "follow_fused_split")
         it = check_iter(stage, self.iter_id, "follow_fused_split")
         ln = self.length(state)
-        if self.factor_or_nparts:
-            if ln is not None and it.extent is not None and ln > it.extent:
-                ln = it.extent          # fewer elements than threads (GPU fetch): the rest stay idle
-            inner = SplitStep(self.stage_id, self.iter_id, it.extent, (ln,), True)
-        else:
-            if ln is not None and it.extent is not None and ln > it.extent:
-                ln = it.extent
-            inner = SplitStep(self.stage_id, self.iter_id, it.extent, (ln,), False)
-        return inner.apply(state)._replace_last_step(self)
+        if ln is not None and it.extent is not None and ln > it.extent:
+            ln = it.extent          # fewer elements than threads (GPU fetch): the rest stay idle
+        return _split(state, self, self.stage_id, self.iter_id, (ln,), bool(self.factor_or_nparts))
 
     def to_json(self) -> list:
         return [self.code, self.stage_id, self.iter_id, list(self.src_step_ids), self.level, int(self.factor_or_nparts)]
@@ -487,7 +479,7 @@ class Rewrite:
         for i, op in self.restart.items():
             stages[i] = initial_stage(op).replace(compute_at=stages[i].compute_at, attach=stages[i].attach)
         stages.insert(self.insert_at, self.inserted)
-        return state._derive(stages, step)
+        return state._derive(stages, step, same_ops=False)
 
 
 def _rewrite_once(step: "CacheReadStep | CacheWriteStep | RfactorStep", state: "State") -> "State":

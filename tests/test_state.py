@@ -1,6 +1,7 @@
 """Loop State: transform steps, replay, the compact JSON round trip, printing and illegal steps."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import weakref
@@ -8,7 +9,7 @@ import weakref
 import pytest
 
 from tensortune.codegen.lower import lower
-from tensortune.schedule.stage import IllegalStep
+from tensortune.schedule.stage import IllegalStep, Iterator
 from tensortune.schedule.state import State
 from tensortune.schedule.steps import Step
 from tensortune.tasks import te
@@ -76,6 +77,36 @@ def test_follow_fused_split_and_nparts(mm):
     s = s.follow_fused_split("C", 4, [0, 1], 0, True)
     assert s.stage_by_name("C").iters[-1].extent == 32
     check_state(s)
+
+
+def test_follow_splits_record_themselves_and_steps_keep_the_ops_analysis(mm):
+    """A follow split is recorded as itself (not the split it makes), its Split relation numbered by its
+    step; every step but cache_read/cache_write/rfactor keeps the ops, so their access analysis too."""
+    s = State(mm)
+    analysis = s.analysis
+    s = s.split("C", 0, [4, 8]).follow_split("C", 3, 0, 2).fuse("C", [0, 1]).reorder("C", [1, 0, 2, 3, 4, 5])
+    assert [type(x).__name__ for x in s.steps] == ["SplitStep", "FollowSplitStep", "FuseStep", "ReorderStep"]
+    assert [(r.step, r.extents) for r in s.stage_by_name("C").relations[:2]] == [(0, (2, 4, 8)), (1, (2, 4, 8))]
+    assert s._analysis is analysis
+    s = s.cache_write("C", "local")
+    assert s.analysis is not analysis and [st.name for st in s.stages] == ["A", "B", "C.local", "C"]
+
+
+def test_stage_objects_are_frozen_dataclasses_with_their_own_init(mm):
+    """Iterator, Split and Stage set their slots directly (stage.py): still immutable, equal by fields
+    (an iterator's loop variable aside) and hashable as before."""
+    s = State(mm).split("C", 0, [4])
+    stage = s.stage_by_name("C")
+    it = stage.iters[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        it.name = "x"                                                  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stage.relations[0].step = 3                                    # type: ignore[misc]
+    same = Iterator(it.name, it.extent, it.kind)                       # another variable
+    assert same == it and hash(same) == hash(it) and same != dataclasses.replace(it, annotation="unroll")
+    assert stage.replace() == stage and hash(stage.replace()) == hash(stage)
+    assert stage.replace(scope="local") != stage
+    assert repr(it) == "Iterator(name='i.0', extent=16, kind='spatial', annotation='none', pragmas=())"
 
 
 def test_state_prints_like_tvm(mm):
