@@ -118,10 +118,12 @@ def resume_policy(policy: SketchPolicy, records: RecordStore) -> int:
 
 
 def propose(policy: SketchPolicy, n: int) -> tuple[list[Candidate], list[float] | None]:
-    """Up to n programs never measured before, with the cost model's scores (None while it is random)."""
+    """Up to n programs never measured before, with the cost model's scores (None while it is random).
+    The search scored them already: `policy.predict` reads those scores back (featurising the batch
+    again cost a search round up to a tenth more: its parts' feature templates are dealt to the helper
+    process, but a batch of 64 is featurised in this process alone, so their templates were made twice)."""
     batch = policy.next_batch(n)
-    scores = [float(x) for x in policy.model.predict(policy.task, batch)] \
-        if batch and not policy.model.is_random else None
+    scores = [float(x) for x in policy.predict(batch)] if batch and not policy.model.is_random else None
     return batch, scores
 
 

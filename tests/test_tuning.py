@@ -86,6 +86,7 @@ def test_the_trained_model_steers_evolution(measurer):
     assert 0.0 <= model.metrics.pairwise_accuracy <= 1.0 and 0.0 <= model.metrics.recall_at_k <= 1.0
     batch, scores = propose(policy, 16)
     assert scores is not None and len(batch) == 16
+    assert scores == [float(x) for x in model.predict(task, batch)]     # the search's scores, read back
     random_scores = model.predict(task, policy.sample(256))
     evolved = sorted(scores, reverse=True)[:12]          # the non-random (eps-greedy) part of the batch
     assert np.median(evolved) > np.quantile(random_scores, 0.9)
