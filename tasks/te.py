@@ -547,10 +547,28 @@ _V = TypeVar("_V", bound="Var")
 
 
 def substitute(e: Expr, mapping: Mapping[_V, Expr]) -> Expr:
+    """`e` with each variable in `mapping` replaced (memoised, so a shared subtree stays shared).
+    `transform` with a replace-the-variables function, written out: substituting loop values into index
+    expressions is the largest part of making a feature template, and the general walk called its
+    function on every node."""
     if not mapping:
         return e
-    lookup: Mapping[Any, Expr] = mapping
-    return transform(e, lambda n: lookup.get(n) if isinstance(n, Var) else None)
+    return _substitute(e, mapping, {})
+
+
+def _substitute(node: Expr, mapping: Mapping[Any, Expr], memo: dict[int, Expr]) -> Expr:
+    key = id(node)
+    out = memo.get(key)
+    if out is not None:
+        return out
+    if isinstance(node, Var):
+        out = mapping.get(node, node)
+    else:
+        kids = children(node)
+        new_kids = [_substitute(k, mapping, memo) for k in kids]
+        out = node if builtins.all(a is b for a, b in zip(kids, new_kids)) else rebuild(node, new_kids)
+    memo[key] = out
+    return out
 
 
 def free_vars(e: Expr) -> set[Var]:
