@@ -4,10 +4,11 @@ Issue 19 asks the flow's search for at most 2 s a round (median). The main job r
 its rounds run beside builds, timings and a Prefect server on a machine other tenants share, so telling
 one commit's search from another's by it takes many runs. This suite runs only the search: it resumes a
 NetworkTuner from a record store as the flow does (each task's history in its policy, the cost model
-trained on all of it), then times one proposal of a round per task, in `--passes` fresh tuners. The same
-store and seed give the same proposals, and their digest is printed: run it at two commits, in
-alternation, and compare the seconds of the same work (the digests must agree unless the search itself
-changed).
+trained on all of it), then times one proposal of a round per task, in `--passes` fresh tuners, with the
+parts the policy times itself (drawing the initial population, the cost model's scores, the mutation
+loop). The same store and seed give the same proposals, and their digest is printed: run it at two
+commits, in alternation, and compare the seconds of the same work (the digests must agree unless the
+search itself changed).
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ import sys
 
 from bench.common import environment, llvm_target, print_table, write_json
 from tensortune.tasks.winograd import parse_tiles
+
+# the parts of a proposal a row gives (fields of the policy's RoundTiming)
+PHASES = ("sample_s", "predict_s", "evolve_s")
 
 
 def main(argv: list[str]) -> int:
@@ -58,6 +62,9 @@ def main(argv: list[str]) -> int:
     env = environment(args.threads, peak=False)
     params = SearchParams(population=args.population, sample_init_population=args.population)
     seconds: list[list[float]] = [[] for _ in tasks]
+    # where each proposal went (the policy's RoundTiming): drawing the initial population, the cost
+    # model's scores (features and XGBoost), the mutation loop; the rest is selection and bookkeeping
+    phases: dict[str, list[list[float]]] = {name: [[] for _ in tasks] for name in PHASES}
     digests, sizes, history = [], [0] * len(tasks), 0
     for p in range(args.passes):
         tuner = NetworkTuner(tasks, args.trials, None, params=params, records=RecordStore(args.records),
@@ -68,6 +75,9 @@ def main(argv: list[str]) -> int:
             for i in range(len(tasks)):
                 batch = tuner.propose(i)
                 seconds[i].append(batch.search_s)
+                timing = tuner.policies[i].timing
+                for name in PHASES:
+                    phases[name][i].append(getattr(timing, name))
                 sizes[i] = len(batch.candidates)
                 for c in batch.candidates:
                     digest.update(c.steps_json.encode())
@@ -79,13 +89,16 @@ def main(argv: list[str]) -> int:
         print(f"pass {p + 1}/{args.passes}: {sum(s[-1] for s in seconds):.2f} s for {len(tasks)} proposals, "
               f"median {statistics.median(s[-1] for s in seconds):.2f} s, programs {digests[-1]}", flush=True)
     rows = [{"task": i, "name": t.name, "programs": sizes[i], "search_s": statistics.median(seconds[i]),
+             **{name: statistics.median(phases[name][i]) for name in PHASES},
              "search_s_passes": seconds[i]} for i, t in enumerate(tasks)]
     totals = [sum(s[p] for s in seconds) for p in range(args.passes)]
-    print_table(rows, ["task", "name", "programs", "search_s"])
+    print_table(rows, ["task", "name", "programs", "search_s", *PHASES])
     same = "identical" if len(set(digests)) == 1 else "DIFFERENT"
     print(f"{args.network} at {args.image_size}^2, {len(tasks)} tasks, {history} stored programs: search per round "
           f"median {statistics.median(r['search_s'] for r in rows):.2f} s; all tasks {min(totals):.2f}-"
           f"{max(totals):.2f} s over {args.passes} passes; programs {same} across passes ({digests[0]})")
+    print("of the tasks' median seconds: " + ", ".join(f"{name} {sum(r[name] for r in rows):.2f} s" for name in PHASES)
+          + f" of {sum(r['search_s'] for r in rows):.2f} s")
     write_json(args.json, rows, env, benchmark="search", network=args.network, image_size=args.image_size,
                winograd=list(args.winograd),
                records=os.path.abspath(args.records), stored_programs=history, totals_s=totals, digests=digests)

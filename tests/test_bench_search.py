@@ -42,6 +42,10 @@ def test_a_resumed_store_gives_the_same_proposals_in_every_pass(tmp_path, capsys
     # a round is min(64, 40 trials / 2 tasks); the transpose's whole space is smaller
     assert doc["rows"][1]["programs"] == 20 and 0 < doc["rows"][0]["programs"] <= 20
     assert all(len(r["search_s_passes"]) == 2 and min(r["search_s_passes"]) > 0 for r in doc["rows"])
+    # the phases are parts of the proposal: drawing, scoring and mutating, no more than the whole
+    conv_row = doc["rows"][1]
+    assert conv_row["sample_s"] > 0 and conv_row["predict_s"] > 0 and conv_row["evolve_s"] > 0
+    assert all(r["sample_s"] + r["predict_s"] + r["evolve_s"] <= r["search_s"] for r in doc["rows"])
     assert len(doc["digests"]) == 2 and doc["digests"][0] == doc["digests"][1]
     assert "programs identical across passes" in capsys.readouterr().out
     with pytest.raises(SystemExit):
