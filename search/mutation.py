@@ -105,6 +105,8 @@ def _states_along(c: Candidate) -> list[State]:
 
 
 def mutate_compute_location(c: Candidate, rng: random.Random) -> Candidate | None:
+    if not any(isinstance(st, ComputeAtStep) for st in c.steps):
+        return None                     # nothing to move: no replay (a third of a conv's sketches)
     states = _states_along(c)
     state = states[-1]
     ids: list[tuple[int, ComputeAtStep]] = []
