@@ -195,7 +195,7 @@ class XGBModel(CostModel):
 
     def _matrix(self, programs: list[tuple[np.ndarray, float]]):
         feats = [f for f, _ in programs]
-        pack_ids = np.concatenate([np.full(len(f), i) for i, f in enumerate(feats)]).astype(np.int64)
+        pack_ids = np.repeat(np.arange(len(feats), dtype=np.int64), [len(f) for f in feats])
         x = np.concatenate(feats) if feats else np.zeros((0, N_FEATURES), np.float32)
         return x, pack_ids
 

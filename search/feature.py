@@ -1022,15 +1022,30 @@ class FeatureExtractor:
         i, part = members[0]
         return self.evaluate(key, states[i], part, self.numbers(states, members))
 
+    def rows(self, states: Sequence[Program], dtype: type = np.float64) -> tuple[np.ndarray, np.ndarray]:
+        """An empty [stores of all states, 164] matrix, each state's rows one after the other, and where each
+        state's rows start. Filled one part structure at a time (`place`), it is split into the states'
+        matrices at the end (`split`): placing each member's rows into a matrix of its own cost a numpy
+        call per member, about 4 ms for each of the search's 2000-program calls."""
+        counts = np.fromiter((self.parts(s).n_rows for s in states), dtype=np.int64, count=len(states))
+        starts = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        return np.empty((int(starts[-1]), N_FEATURES), dtype=dtype), starts
+
     @staticmethod
-    def place(rows: list[np.ndarray], members: list[tuple[int, Part]], block: np.ndarray) -> None:
-        """Put each member's rows of `block` (an `evaluate`) where they go among its program's."""
-        for (i, part), feats in zip(members, block):
-            rows[i][list(part.rows)] = feats
+    def place(out: np.ndarray, starts: np.ndarray, members: list[tuple[int, Part]], block: np.ndarray) -> None:
+        """Put each member's rows of `block` (an `evaluate`) where they go among its program's, in `out` (`rows`)."""
+        at = starts[[i for i, _ in members]][:, None] + np.array([part.rows for _, part in members], dtype=np.int64)
+        out[at.ravel()] = block.reshape(-1, N_FEATURES)
+
+    @staticmethod
+    def split(out: np.ndarray, starts: np.ndarray) -> list[np.ndarray]:
+        """Each state's [n_stores, 164] matrix: views of `out` (a copy keeps one alive on its own)."""
+        return [out[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
 
     def __call__(self, states: list) -> list[np.ndarray]:
         """One [n_stores, 164] matrix per state, its stores in stage order."""
-        rows = [np.empty((self.parts(s).n_rows, N_FEATURES)) for s in states]
+        out, starts = self.rows(states)
         for key, members in self.groups(states).items():
-            self.place(rows, members, self.evaluate_members(key, states, members))
-        return rows
+            self.place(out, starts, members, self.evaluate_members(key, states, members))
+        return self.split(out, starts)

@@ -25,7 +25,6 @@ import numpy as np
 from tensortune.schedule.program import Program
 from tensortune.schedule.state import State
 from tensortune.search.feature import FeatureExtractor
-from tensortune.search.feature_layout import N_FEATURES
 from tensortune.search.feature_parts import Part
 from tensortune.search.helper_pool import HelperPool
 from tensortune.search.memory import paused_gc
@@ -62,16 +61,16 @@ class Featurizer:
                         for key, members in shares[worker]]
                 future = self.helpers.submit(worker - 1, _extract, task.workload_key, task.to_json(), jobs)
                 pending.append((worker, shares[worker], future))
-        rows = [np.empty((ex.parts(s).n_rows, N_FEATURES), dtype=np.float32) for s in states]
+        out, starts = ex.rows(states, np.float32)
         for key, members in shares[0]:
-            ex.place(rows, members, ex.evaluate_members(key, states, members))
+            ex.place(out, starts, members, ex.evaluate_members(key, states, members))
         for worker, share, future in pending:
             feats = self.helpers.result(worker - 1, future)
             if feats is None:
                 feats = [ex.evaluate_members(key, states, members) for key, members in share]
             for (key, members), block in zip(share, feats):
-                ex.place(rows, members, block)
-        return rows
+                ex.place(out, starts, members, block)
+        return ex.split(out, starts)
 
     def close(self) -> None:
         """Stop the helper processes (they also stop when the pool is collected or at exit)."""
