@@ -1040,7 +1040,8 @@ class FeatureExtractor:
 
     @staticmethod
     def split(out: np.ndarray, starts: np.ndarray) -> list[np.ndarray]:
-        """Each state's [n_stores, 164] matrix: views of `out` (a copy keeps one alive on its own)."""
+        """Each state's [n_stores, 164] matrix, a view of `out` (one kept keeps all of `out`: XGBModel.add
+        stores copies)."""
         return [out[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
 
     def __call__(self, states: list) -> list[np.ndarray]:

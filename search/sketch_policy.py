@@ -211,7 +211,7 @@ class SketchPolicy:
         self.in_flight.update(picked)
         # keep the batch's scores (the caller reads them back) and drop the round's ~10 000 others: the next
         # round's model is a new one, and kept until then they were the bulk of what the cyclic collector
-        # scanned when the round ended (30 of its 50 ms a 32² round, `paused_gc`)
+        # scanned when the round ended (33 of its 55 ms in a 32² round, `paused_gc`)
         self._scores = {k: self._scores[k] for k in picked if k in self._scores}
         return list(picked.values())
 
