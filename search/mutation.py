@@ -144,8 +144,16 @@ def mutate_parallel(c: Candidate, rng: random.Random) -> Candidate | None:
     sid = fuse.stage_id
     before = State.replay(c.dag, c.steps[:i - 1])
     stage = before.stages[sid]
+    # Loops a later step annotates are not fused either (as annotation's own parallel rule stops at an
+    # annotated loop). TVM's MutateParallel checks annotations in the state before the fuse only, where
+    # the vectorize that follows is not applied yet: a transpose's parallel loop, fused over its
+    # vectorised 3-wide one, became one vectorised loop of 150 528 lanes (224²), whose build ran into
+    # the 15 s timeout in the round it was drawn.
+    m = len(fuse.fused_ids)
+    annotated = [st.iter_id + m - 1 for st in c.steps[i + 1:]
+                 if isinstance(st, (AnnotationStep, PragmaStep)) and st.stage_id == sid and st.iter_id > 0]
     limit = 0
-    while limit < len(stage.iters):
+    while limit < min([len(stage.iters), *annotated]):
         it = stage.iters[limit]
         if it.kind == "reduce" or it.annotation != "none" or utils.has_attached(before, sid, limit):
             break

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from tensortune.codegen.lower import lower
 from tensortune.codegen.target import make_task
 from tensortune.schedule.state import State
-from tensortune.schedule.steps import SplitStep
+from tensortune.schedule.steps import FuseStep, SplitStep
+from tensortune.search.candidate import Candidate
 from tensortune.search.mutation import (
     crossover,
     mutate_auto_unroll,
@@ -19,6 +20,8 @@ from tensortune.search.mutation import (
     mutate_tile_size,
 )
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
+from tensortune.tasks import network_ops, te
+from tensortune.tasks.compute_dag import ComputeDAG
 from tests.conftest import SMALL_WORKLOADS, check_state, examples, small_dag
 
 _POLICIES: dict[str, SketchPolicy] = {}
@@ -185,3 +188,25 @@ def test_a_task_without_flops_keeps_its_fastest_program_as_its_best():
     assert policy.best is None
     policy.preload([slow, fast], [2e-5, 1e-5])
     assert policy.best is not None and policy.best[1] is fast and policy.best_cost == 1e-5
+
+
+def test_a_parallel_mutation_never_fuses_a_loop_a_later_step_annotates():
+    """TVM's MutateParallel checks the annotations of the state before the fuse, where the vectorize that
+    follows it is not applied yet: a transpose's parallel loop, fused over its vectorised innermost loop,
+    became one vectorised loop over the whole tensor (150 528 lanes at 224², a build that timed out).
+    Every child keeps its vectorised loop apart from the parallel one, and computes the transpose."""
+    data = te.placeholder((1, 3, 8, 8), name="data")
+    dag = ComputeDAG([data, network_ops.transpose(data, (0, 2, 3, 1))])
+    parent = Candidate.of(State(dag).fuse(1, [0, 1]).parallel(1, 0).vectorize(1, 2))
+    children = []
+    for seed in range(40):
+        child = mutate_parallel(parent, random.Random(seed))
+        if child is not None:
+            children.append(child)
+    fused = {len(next(s for s in c.steps if isinstance(s, FuseStep)).fused_ids) for c in children}
+    assert fused == {1, 3}, f"the children fused {sorted(fused)} loops"        # 2 is the parent; 4 takes ax3
+    for child in children:
+        loops = child.state.stages[1].iters
+        assert [it.annotation for it in loops][0] == "parallel" and loops[-1].annotation == "vectorize"
+        assert loops[-1].extent == 3
+        check_state(child.state)
