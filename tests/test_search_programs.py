@@ -207,6 +207,5 @@ def test_a_parallel_mutation_never_fuses_a_loop_a_later_step_annotates():
     assert fused == {1, 3}, f"the children fused {sorted(fused)} loops"        # 2 is the parent; 4 takes ax3
     for child in children:
         loops = child.state.stages[1].iters
-        assert [it.annotation for it in loops][0] == "parallel" and loops[-1].annotation == "vectorize"
-        assert loops[-1].extent == 3
+        assert loops[0].annotation == "parallel" and loops[-1].annotation == "vectorize" and loops[-1].extent == 3
         check_state(child.state)
