@@ -22,7 +22,7 @@ from bench.common import environment, llvm_target, print_table, write_json
 from tensortune.tasks.winograd import parse_tiles
 
 # the parts of a proposal a row gives (fields of the policy's RoundTiming)
-PHASES = ("sample_s", "predict_s", "evolve_s")
+PHASES = ("sample_s", "predict_s", "evolve_s", "identify_s")
 
 
 def main(argv: list[str]) -> int:

@@ -112,8 +112,8 @@ class LoweredFunc:
     body: Stmt
     flops: float = 0.0
 
-    def text(self) -> str:
-        return lowered_text(self)
+    def text(self, canonical: bool = False) -> str:
+        return lowered_text(self, canonical)
 
 
 def seq(stmts: list[Stmt]) -> Stmt:
@@ -162,8 +162,13 @@ def uses(s: Stmt) -> tuple[set, set]:
     return vars_, bufs
 
 
-def lowered_text(f: LoweredFunc) -> str:
-    """TVM `lower(..., simple_mode=True)`-style text of the loop nest."""
+def lowered_text(f: LoweredFunc, canonical: bool = False) -> str:
+    """TVM `lower(..., simple_mode=True)`-style text of the loop nest.
+
+    canonical: the text two programs share exactly when the backends compile them alike
+    (`codegen.kernel_identity`): loop variables are numbered in order (two stages' loops may share a
+    name, so one nested in the other would print ambiguously), and pragmas are left out (lowering
+    consumed them: `auto_unroll_max_step` became the loops' `unroll` kinds; no backend reads them)."""
     names: dict = {}
     out = [f"{f.name}({', '.join(f'{b.name}: {b.dtype}{list(b.shape)}' for b in f.args)}) {{"]
 
@@ -172,14 +177,14 @@ def lowered_text(f: LoweredFunc) -> str:
 
     for s in walk_stmts(f.body):
         if isinstance(s, For):
-            names[s.var] = s.var.name
+            names[s.var] = f"v{len(names)}" if canonical else s.var.name
 
     def go(s: Stmt, d: int) -> None:
         pad = "  " * d
         if isinstance(s, For):
             kind = "" if s.kind == "serial" else f' "{s.kind}"'
-            prag = "".join(f" // pragma {k}={v}" for k, v in s.pragmas.items())
-            out.append(f"{pad}for ({s.var.name}, 0, {s.extent}){kind} {{{prag}")
+            prag = "" if canonical else "".join(f" // pragma {k}={v}" for k, v in s.pragmas.items())
+            out.append(f"{pad}for ({names[s.var]}, 0, {s.extent}){kind} {{{prag}")
             go(s.body, d + 1)
             out.append(f"{pad}}}")
         elif isinstance(s, Allocate):

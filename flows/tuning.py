@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from tensortune.codegen.confirmation import CONFIRM_TIMINGS, confirm_new_bests
+from tensortune.codegen.kernel_identity import KernelIdentity
 from tensortune.codegen.measure import LocalRunner, Measurer, MeasureResult, ProgramMeasurer
 from tensortune.codegen.network_runtime import touched_bytes
 from tensortune.codegen.target import make_task
@@ -208,7 +209,8 @@ def tune_task(task: SearchTask, trials: int, *, measurer: Measurer | None = None
     added to a program before it becomes the best (codegen.confirmation; 0: none)."""
     params = params or SearchParams()
     policy = SketchPolicy(task, make_model(model, seed), params, seed=seed,
-                          initial_programs=default_programs(task) if measure_default else None)
+                          initial_programs=default_programs(task) if measure_default else None,
+                          kernel_identity=KernelIdentity(task))
     if records is not None:
         resume_policy(policy, records)
     own = measurer is None
@@ -310,7 +312,8 @@ class NetworkTuner:
         initial = [default_programs(t) for t in tasks]
         # the runtime's default schedule of each task (None: it has none), measured in its first round
         self.default_steps = [p[0].steps_json() if p else None for p in initial]
-        self.policies = [SketchPolicy(t, self.model, params, seed=seed + i, initial_programs=p)
+        self.policies = [SketchPolicy(t, self.model, params, seed=seed + i, initial_programs=p,
+                                      kernel_identity=KernelIdentity(t))
                          for i, (t, p) in enumerate(zip(tasks, initial))]
         self.sched = TaskScheduler(tasks, objective=objective, strategy=strategy, seed=seed,
                                    form_sets=form_sets, **(scheduler_options or {}))

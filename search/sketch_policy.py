@@ -3,7 +3,10 @@
 Each round: sample an initial population from the sketches (plus the best measured programs), evolve
 it under the cost model (mutation, crossover, selection by predicted fitness), and pick the programs
 to measure — the best predicted, plus a few random ones (eps-greedy) — never one measured before.
-The policy never builds or runs code: the caller measures and reports back through `update`.
+The policy never builds or runs code: the caller measures and reports back through `update`. Nor
+does it lower programs: where many step lists compile to one kernel, the caller may hand it a
+`KernelIdentity` (flows pass codegen's), and a program whose kernel was measured, is in flight or is
+picked already is passed over like a measured one.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Hashable, Protocol
 
 import numpy as np
 
@@ -39,6 +43,13 @@ log = logging.getLogger("tensortune.search")
 SAMPLE_WAVES = 4
 
 
+class KernelIdentity(Protocol):
+    """Which kernel a program compiles to: equal values, one kernel (None: unknown, e.g. a program that
+    does not lower; the measurement reports it). `codegen.kernel_identity.KernelIdentity` is one."""
+
+    def __call__(self, state: State) -> Hashable | None: ...
+
+
 @dataclass
 class RoundTiming:
     sample_s: float = 0.0
@@ -47,12 +58,14 @@ class RoundTiming:
     n_init: int = 0
     n_evaluated: int = 0
     n_over_limits: int = 0          # GPU programs left out for exceeding the target's limits
+    n_twins: int = 0                # programs passed over: their kernel was measured, in flight or picked
+    identify_s: float = 0.0         # the kernel identity of the programs considered for the batch
 
 
 class SketchPolicy:
     def __init__(self, task: SearchTask, cost_model: CostModel | None = None, params: SearchParams | None = None,
                  seed: int = 0, rules: list[SketchRule] | None = None,
-                 initial_programs: list[State] | None = None):
+                 initial_programs: list[State] | None = None, kernel_identity: KernelIdentity | None = None):
         self.task = task
         self.model = cost_model or RandomModel(seed)
         self.params = params or SearchParams()
@@ -69,6 +82,9 @@ class SketchPolicy:
         self.in_flight: set[StepsKey] = set()
         self.best: tuple[float, Candidate] | None = None     # (GFLOP/s, program) of the fastest measured
         self.best_cost = math.inf                              # ... and its seconds per run, as measured
+        self.kernel_identity = kernel_identity
+        self.kernels: set[Hashable] = set()     # the kernels of programs measured, in flight or picked
+        self.twins: set[StepsKey] = set()        # programs found to repeat one of those kernels
         self.timing = RoundTiming()
         # programs to measure first (e.g. a runtime's default schedule), so tuning never ends worse
         self.initial_programs = [Candidate.of(s) for s in initial_programs or []]
@@ -194,20 +210,21 @@ class SketchPolicy:
         randoms = [c for c in init if not self._taken(c.key)]
         self.rng.shuffle(randoms)
         picked: dict[StepsKey, Candidate] = {}
-        for c in self.initial_programs:
+        for c in self.initial_programs:         # measured whatever their kernel: the runtime's own schedule
             if not self._taken(c.key) and len(picked) < n:
+                self._take_kernel(c)
                 picked.setdefault(c.key, c)
         self.initial_programs = []
         for c in best:
             if len(picked) >= n - n_random:
                 break
-            if self._runnable(c):
-                picked.setdefault(c.key, c)
+            if c.key not in picked and self._runnable(c) and self._new_kernel(c):
+                picked[c.key] = c
         for c in randoms + best:
             if len(picked) >= n:
                 break
-            if self._runnable(c):
-                picked.setdefault(c.key, c)
+            if c.key not in picked and self._runnable(c) and self._new_kernel(c):
+                picked[c.key] = c
         self.in_flight.update(picked)
         # keep the batch's scores (the caller reads them back) and drop the round's ~10 000 others: the next
         # round's model is a new one, and kept until then they were the bulk of what the cyclic collector
@@ -216,8 +233,8 @@ class SketchPolicy:
         return list(picked.values())
 
     def _taken(self, key: StepsKey) -> bool:
-        """Measured, or proposed and still being measured: never proposed (again)."""
-        return key in self.measured or key in self.in_flight
+        """Measured, proposed and still being measured, or a known twin of either: never proposed (again)."""
+        return key in self.measured or key in self.in_flight or key in self.twins
 
     def _runnable(self, c: Candidate) -> bool:
         """False for a GPU program over the target's limits (threads, vthreads, shared memory): tile-size
@@ -228,6 +245,35 @@ class SketchPolicy:
         if why is not None:
             self.timing.n_over_limits += 1
         return why is None
+
+    def _new_kernel(self, c: Candidate) -> bool:
+        """False where c compiles to the kernel of a program measured, in flight or picked this round
+        (a trial it would spend on a kernel already timed); True, and its kernel taken, otherwise."""
+        if c.key in self.twins:
+            return False
+        kernel = self._kernel(c)
+        if kernel is None:
+            return True
+        if kernel in self.kernels:
+            self.twins.add(c.key)
+            self.timing.n_twins += 1
+            return False
+        self.kernels.add(kernel)
+        return True
+
+    def _take_kernel(self, c: Candidate) -> None:
+        """c's kernel counts as measured: no later pick repeats it."""
+        kernel = self._kernel(c)
+        if kernel is not None:
+            self.kernels.add(kernel)
+
+    def _kernel(self, c: Candidate) -> Hashable | None:
+        if self.kernel_identity is None:
+            return None
+        t0 = time.perf_counter()
+        kernel = self.kernel_identity(c.state)
+        self.timing.identify_s += time.perf_counter() - t0
+        return kernel
 
     def update(self, cands: list[Candidate], costs: list[float]) -> None:
         """Record measurements (seconds per run; inf for failures) and retrain the cost model."""
@@ -242,7 +288,10 @@ class SketchPolicy:
             self._note(c, cost)
 
     def _note(self, c: Candidate, cost: float) -> None:
-        self.in_flight.discard(c.key)
+        if c.key in self.in_flight:
+            self.in_flight.discard(c.key)       # picked here: its kernel was taken then
+        elif c.key not in self.measured:
+            self._take_kernel(c)                # a stored record (resume) or a program the caller chose
         # a task without FLOPs (a transpose, a copy) counts one operation per run, so its programs rank
         # by time like any other's: counted as 0 GFLOP/s, none was ever its best, and the network ran its
         # default schedule whatever the search had measured

@@ -1,0 +1,94 @@
+"""Programs that compile to one kernel share a KernelIdentity (codegen.kernel_identity), programs that do
+not, do not; and the search, handed the identity, spends no trial on a kernel it measured, has in flight
+or picked already. Every kernel built here is checked against the NumPy reference."""
+from __future__ import annotations
+
+import pytest
+
+from tensortune.codegen import llvm_backend
+from tensortune.codegen.kernel_identity import KernelIdentity, kernel_text
+from tensortune.codegen.llvm_codegen import generate_llvm_ir
+from tensortune.codegen.lower import lower
+from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+from tensortune.codegen.object_cache import ObjectCache
+from tensortune.codegen.target import make_task
+from tensortune.schedule.state import State
+from tensortune.search.sketch_policy import SketchPolicy
+from tensortune.tasks import te
+from tensortune.tasks.compute_dag import ComputeDAG
+from tensortune.tasks.network_ops import transpose
+from tensortune.tasks.workload_registry import make_dag
+from tests.conftest import check_state
+
+
+def _matmul_unrolled_to(depth: int) -> State:
+    """Its innermost loop runs 32 times, so depths 0 and 16 unroll nothing and 64 unrolls it."""
+    s = State(make_dag("matmul", 48, 40, 64)).split("C", 2, [32]).vectorize("C", 1)
+    return s.pragma("C", 0, f"auto_unroll_max_step${depth}")
+
+
+def _transposes() -> tuple[State, State]:
+    """NCHW -> NHWC, one vectorised loop over the 3 channels inside one parallel loop, reached by two step
+    lists whose loops are named differently (a split of the channels by 3 fused away, or not)."""
+    x = te.placeholder((1, 3, 8, 8), name="data")
+    dag = ComputeDAG([x, transpose(x, (0, 2, 3, 1))])
+    split = State(dag).split(1, 3, [3]).vectorize(1, 4).fuse(1, [0, 1, 2, 3]).parallel(1, 0)
+    fused = State(dag).fuse(1, [0, 1, 2]).parallel(1, 0).vectorize(1, 1)
+    return split, fused
+
+
+def test_twins_share_an_identity_and_compile_to_the_same_object(monkeypatch):
+    identity = KernelIdentity(make_task(make_dag("matmul", 48, 40, 64), "llvm"))
+    none, sixteen, sixty_four = (_matmul_unrolled_to(d) for d in (0, 16, 64))
+    assert identity(none) == identity(sixteen) != identity(sixty_four)
+    assert identity(none) is not None and len(identity(none)) == 16
+
+    # twins whose LLVM IR differs (its value names are the loops' names): one identity, one object code
+    split, fused = _transposes()
+    assert split.steps != fused.steps
+    assert generate_llvm_ir(lower(split), "generic", "") != generate_llvm_ir(lower(fused), "generic", "")
+    identity = KernelIdentity(make_task(split.dag, "llvm"))
+    assert identity(split) == identity(fused)
+    monkeypatch.setattr(llvm_backend, "OBJECTS", ObjectCache())       # each compiled, not served from the cache
+    assert llvm_backend.build(split).binary == llvm_backend.build(fused).binary
+    assert llvm_backend.OBJECTS.misses == 2
+    for state in (none, sixteen, sixty_four, split, fused):
+        check_state(state)                       # builds it, runs it, compares with NumPy
+
+
+def test_the_text_numbers_loops_and_leaves_out_consumed_pragmas():
+    task = make_task(make_dag("matmul", 48, 40, 64), "llvm")
+    text = kernel_text(task, _matmul_unrolled_to(64))
+    assert "pragma" not in text and '"unroll"' in text and "for (v0, 0, 48)" in text
+    assert "pragma auto_unroll_max_step=64" in lower(_matmul_unrolled_to(64)).text()
+
+
+def test_a_program_that_does_not_lower_has_no_identity():
+    state = State(make_dag("matmul", 48, 40, 64)).split("C", 2, [None])     # a tile size left unfilled
+    assert KernelIdentity(make_task(state.dag, "llvm"))(state) is None
+
+
+@pytest.mark.parametrize("with_identity", [True, False])
+def test_the_search_never_measures_one_kernel_twice(with_identity):
+    """A small max pool's space holds few kernels under many step lists: with the identity each batch's
+    programs have kernels of their own, none a measured one's; without it, the same search repeats some."""
+    task = make_task(make_dag("max_pool2d", 1, 2, 4, 4, 2, 2, 0), "llvm -num-threads=1")
+    identity = KernelIdentity(task)
+    policy = SketchPolicy(task, seed=2, kernel_identity=identity if with_identity else None)
+    kernels: list[bytes | None] = []
+    twins = 0
+    with ProgramMeasurer(LocalBuilder(), LocalRunner()) as measurer:
+        for _ in range(3):
+            batch = policy.next_batch(12)
+            twins += policy.timing.n_twins
+            results = measurer.measure(task, [c.steps_json for c in batch])
+            assert all(r.ok for r in results), [r.error_msg for r in results if not r.ok]
+            policy.update(batch, [r.mean for r in results])
+            kernels += [identity(c.state) for c in batch]
+    for c in list(policy.measured_cands.values())[:4]:
+        check_state(c.state)
+    assert None not in kernels
+    if with_identity:
+        assert len(set(kernels)) == len(kernels) == 36 and twins > 0      # full batches, of new kernels
+    else:
+        assert len(set(kernels)) < len(kernels)
