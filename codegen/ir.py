@@ -162,26 +162,37 @@ def uses(s: Stmt) -> tuple[set, set]:
     return vars_, bufs
 
 
+_UNBOUND_KINDS = ("serial", "parallel", "vectorize", "unroll", "vthread")
+
+
 def lowered_text(f: LoweredFunc, canonical: bool = False) -> str:
     """TVM `lower(..., simple_mode=True)`-style text of the loop nest.
 
     canonical: the text two programs share exactly when the backends compile them alike
     (`codegen.kernel_identity`): loop variables are numbered in order (two stages' loops may share a
-    name, so one nested in the other would print ambiguously), and pragmas are left out (lowering
-    consumed them: `auto_unroll_max_step` became the loops' `unroll` kinds; no backend reads them)."""
+    name, so one nested in the other would print ambiguously); pragmas are left out (lowering consumed
+    them: `auto_unroll_max_step` became the loops' `unroll` kinds; no backend reads them); a loop of
+    extent 1 is left out, its variable printed as 0, as both backends emit it (its body, the variable
+    the constant 0), unless it is bound to a GPU grid or block axis (the launch's dimensions)."""
     names: dict = {}
     out = [f"{f.name}({', '.join(f'{b.name}: {b.dtype}{list(b.shape)}' for b in f.args)}) {{"]
 
     def ex(e: Expr) -> str:
         return te.to_text(e, names)
 
-    for s in walk_stmts(f.body):
-        if isinstance(s, For):
-            names[s.var] = f"v{len(names)}" if canonical else s.var.name
+    def dropped(s: For) -> bool:
+        return canonical and s.extent == 1 and s.kind in _UNBOUND_KINDS
+
+    loops = [s for s in walk_stmts(f.body) if isinstance(s, For)]
+    names.update((s.var, "0") for s in loops if dropped(s))
+    kept = [s for s in loops if not dropped(s)]
+    names.update((s.var, f"v{k}" if canonical else s.var.name) for k, s in enumerate(kept))
 
     def go(s: Stmt, d: int) -> None:
         pad = "  " * d
-        if isinstance(s, For):
+        if isinstance(s, For) and dropped(s):
+            go(s.body, d)
+        elif isinstance(s, For):
             kind = "" if s.kind == "serial" else f' "{s.kind}"'
             prag = "" if canonical else "".join(f" // pragma {k}={v}" for k, v in s.pragmas.items())
             out.append(f"{pad}for ({names[s.var]}, 0, {s.extent}){kind} {{{prag}")

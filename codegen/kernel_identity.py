@@ -10,11 +10,14 @@ kernel it had timed: 7 of 128 programs of a 1024³ matmul run, 3 of 128 of a Res
 may not import codegen. The flows hand it this identity instead (`search.sketch_policy.KernelIdentity`).
 
 The identity is a digest of the lowered loop nest in `lowered_text(canonical=True)` (every loop and
-store, buffer shapes and scopes; loop variables numbered, consumed pragmas left out) and the weight
-layouts the kernel reads: what the backends compile, together with the target, which is one per task.
-Equal digests are equal kernels. Unequal ones may still compile alike (an unroll of a loop LLVM would
-unroll anyway): the identity misses such twins, never invents one. Lowering costs 1-2 ms a program
-(a 1024³ matmul 1.0, a 56² conv 1.9), which the search pays for each program it picks.
+store, buffer shapes and scopes; loop variables numbered, consumed pragmas and loops of extent 1 left
+out) and the weight layouts the kernel reads: what the backends compile, together with the target,
+which is one per task. Equal digests are equal kernels: over a 224² ResNet-18 store's 1 280 programs
+the identity found 1 061 kernels where the LLVM IR text has 1 069, and each group of differing IR
+under one identity (seven: loops named differently, loops of extent 1 placed differently) compiled to
+one object code. Unequal digests may still compile alike (an unroll of a loop LLVM would unroll
+anyway): the identity misses such twins, never invents one. Lowering costs 1-2 ms a program (a 1024³
+matmul 1.0, a 56² conv 1.9), which the search pays for each program it considers for a batch.
 """
 from __future__ import annotations
 

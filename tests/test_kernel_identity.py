@@ -52,7 +52,13 @@ def test_twins_share_an_identity_and_compile_to_the_same_object(monkeypatch):
     monkeypatch.setattr(llvm_backend, "OBJECTS", ObjectCache())       # each compiled, not served from the cache
     assert llvm_backend.build(split).binary == llvm_backend.build(fused).binary
     assert llvm_backend.OBJECTS.misses == 2
-    for state in (none, sixteen, sixty_four, split, fused):
+    # twins by a loop of extent 1 (the reduction split by its whole extent), which both backends drop
+    plain = State(make_dag("matmul", 48, 40, 64))
+    whole = plain.split("C", 2, [64])
+    identity = KernelIdentity(make_task(plain.dag, "llvm"))
+    assert identity(plain) == identity(whole) != identity(plain.split("C", 2, [32]))
+    assert llvm_backend.build(plain).binary == llvm_backend.build(whole).binary
+    for state in (none, sixteen, sixty_four, split, fused, plain, whole):
         check_state(state)                       # builds it, runs it, compares with NumPy
 
 
