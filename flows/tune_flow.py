@@ -264,8 +264,10 @@ def search_round(s: Session, i: int, label: str, in_flight: int = 0) -> Proposal
     in_flight: trials of a round still being measured (this search runs during its timings)."""
     batch = s.tuner.propose(i, in_flight)
     s.seconds["search"] += batch.search_s
+    twins = s.tuner.policies[i].timing.n_twins
     get_run_logger().info(f"{s.tasks[i].name} (task {i}): {len(batch.candidates)} programs proposed in "
-                          f"{batch.search_s:.1f} s with cost model {s.model.version or 'random'}")
+                          f"{batch.search_s:.1f} s with cost model {s.model.version or 'random'}"
+                          + (f", {twins} passed over (their kernels measured or picked already)" if twins else ""))
     return batch
 
 
