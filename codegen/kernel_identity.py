@@ -4,8 +4,8 @@ Many step lists lower to one loop nest. A stage computed at a loop only computes
 consumer reads there, so its tile sizes beyond that region change nothing; two compute locations with
 only loops of extent 1 between them are one; an auto-unroll limit changes nothing where every loop
 under it is over both values (or under them). A search that measured each of them paid a trial for a
-kernel it had timed: 7 of 128 programs of a 1024³ matmul run, 3 of 128 of a ResNet-18 conv, 199 of a
-224² ResNet-18 run's 1 280 (most of them pools, whose spaces are small). The builders saw it
+kernel it had timed: 7 of 128 programs of a 1024³ matmul run, 3 of 128 of a ResNet-18 conv, 182-196
+of a 224² ResNet-18 run's 1 280 (most of them the pools', whose spaces are small). The builders saw it
 (`object_cache`: they compile each IR once), the search could not: it never lowers a program, and
 may not import codegen. The flows hand it this identity instead (`search.sketch_policy.KernelIdentity`).
 
@@ -28,6 +28,10 @@ from tensortune.schedule.layout_rewrite import weight_layouts
 from tensortune.schedule.state import State
 from tensortune.tasks.search_task import SearchTask
 
+# the identity's digests start with this; a change to what the identity reads changes it, so the search
+# does not take a kernel named by an older rule (stored in records) for one named by this one
+PREFIX = "k1-"
+
 
 def kernel_text(task: SearchTask, state: State) -> str:
     """The text two programs of `task` share exactly when they compile to the same kernel."""
@@ -38,15 +42,16 @@ def kernel_text(task: SearchTask, state: State) -> str:
 
 
 class KernelIdentity:
-    """identity(state) -> a 16-byte digest of the kernel `state` compiles to, or None where lowering
-    fails (the measurement reports that failure as the program's record; the search must not)."""
+    """identity(state) -> PREFIX + the hex digest (16 bytes) of the kernel `state` compiles to, or None
+    where lowering fails (the measurement reports that failure as the program's record; the search must
+    not). Records keep it (`MeasureRecord.kernel`), so a resumed search lowers no stored program."""
 
     def __init__(self, task: SearchTask):
         self.task = task
 
-    def __call__(self, state: State) -> bytes | None:
+    def __call__(self, state: State) -> str | None:
         try:
             text = kernel_text(self.task, state)
         except Exception:        # noqa: BLE001 - any lowering failure: the builder reports it, with its record
             return None
-        return hashlib.blake2b(text.encode(), digest_size=16).digest()
+        return PREFIX + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from tensortune.codegen.confirmation import CONFIRM_TIMINGS, confirm_new_bests
+from tensortune.codegen.kernel_identity import PREFIX as KERNEL_PREFIX
 from tensortune.codegen.kernel_identity import KernelIdentity
 from tensortune.codegen.measure import LocalRunner, Measurer, MeasureResult, ProgramMeasurer
 from tensortune.codegen.network_runtime import touched_bytes
@@ -87,11 +88,13 @@ def make_model(kind: str | CostModel, seed: int = 0, warmup: int = WARMUP_PROGRA
 
 def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureResult], *, round_: int,
                flow_run_id: str = "", network: str = "", model_version: str = "",
-               scores: list[float] | None = None) -> list[MeasureRecord]:
+               scores: list[float] | None = None, kernels: list[str] | None = None) -> list[MeasureRecord]:
+    """kernels: which kernel each program compiled to (SketchPolicy.kernel_of; "" not known)."""
     out = []
     for i, (c, r) in enumerate(zip(cands, results)):
         out.append(MeasureRecord(
-            workload_key=task.workload_key, target=task.target, steps=c.steps_json, flow_run_id=flow_run_id,
+            workload_key=task.workload_key, target=task.target, steps=c.steps_json,
+            kernel=kernels[i] if kernels is not None else "", flow_run_id=flow_run_id,
             round=round_, task_name=task.name, task_label=task.label, network=network, latencies=list(r.costs),
             mean_latency=r.mean, error_code=int(r.error_code), error_msg=r.error_msg[:2000],
             build_seconds=r.build_seconds, run_seconds=r.run_seconds, model_version=model_version,
@@ -105,15 +108,18 @@ def resume_policy(policy: SketchPolicy, records: RecordStore) -> int:
     frame = records.records_of(policy.task.workload_key, target=policy.task.target)
     if frame.empty:
         return 0
-    cands, costs = [], []
-    for steps, latency, code in zip(frame["steps"], frame["mean_latency"], frame["error_code"]):
+    cands, costs, kernels = [], [], []
+    for steps, latency, code, kernel in zip(frame["steps"], frame["mean_latency"], frame["error_code"],
+                                            frame["kernel"]):
         try:
             state = State.from_json(policy.task.dag, steps)
         except IllegalStep:
             continue                       # a record from an older rule set: keep it, skip it here
         cands.append(Candidate.of(state))
         costs.append(float(latency) if code == 0 else math.inf)
-    policy.preload(cands, costs)
+        # a kernel named by an older identity rule is lowered again (the policy does it)
+        kernels.append(kernel if kernel.startswith(KERNEL_PREFIX) else "")
+    policy.preload(cands, costs, kernels)
     policy.model.update(policy.task, cands, costs)
     return len(cands)
 
@@ -135,7 +141,8 @@ def learn(policy: SketchPolicy, batch: list[Candidate], results: list[MeasureRes
         return
     if records is not None:
         records.append(to_records(policy.task, batch, results, round_=round_, flow_run_id=flow_run_id,
-                                  network=network, model_version=policy.model.version, scores=scores))
+                                  network=network, model_version=policy.model.version, scores=scores,
+                                  kernels=[policy.kernel_of(c) for c in batch]))
         remember_task(records, policy.task)
     policy.update(batch, [r.mean for r in results])
 

@@ -15,7 +15,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Hashable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -44,10 +44,10 @@ SAMPLE_WAVES = 4
 
 
 class KernelIdentity(Protocol):
-    """Which kernel a program compiles to: equal values, one kernel (None: unknown, e.g. a program that
+    """Which kernel a program compiles to: equal strings, one kernel (None: unknown, e.g. a program that
     does not lower; the measurement reports it). `codegen.kernel_identity.KernelIdentity` is one."""
 
-    def __call__(self, state: State) -> Hashable | None: ...
+    def __call__(self, state: State) -> str | None: ...
 
 
 @dataclass
@@ -83,8 +83,9 @@ class SketchPolicy:
         self.best: tuple[float, Candidate] | None = None     # (GFLOP/s, program) of the fastest measured
         self.best_cost = math.inf                              # ... and its seconds per run, as measured
         self.kernel_identity = kernel_identity
-        self.kernels: set[Hashable] = set()     # the kernels of programs measured, in flight or picked
+        self.kernels: set[str] = set()          # the kernels of programs measured, in flight or picked
         self.twins: set[StepsKey] = set()        # programs found to repeat one of those kernels
+        self.picked_kernels: dict[StepsKey, str] = {}    # the kernels of the programs in flight
         self.timing = RoundTiming()
         # programs to measure first (e.g. a runtime's default schedule), so tuning never ends worse
         self.initial_programs = [Candidate.of(s) for s in initial_programs or []]
@@ -212,7 +213,9 @@ class SketchPolicy:
         picked: dict[StepsKey, Candidate] = {}
         for c in self.initial_programs:         # measured whatever their kernel: the runtime's own schedule
             if not self._taken(c.key) and len(picked) < n:
-                self._take_kernel(c)
+                kernel = self._take_kernel(c)
+                if kernel:
+                    self.picked_kernels[c.key] = kernel
                 picked.setdefault(c.key, c)
         self.initial_programs = []
         for c in best:
@@ -259,15 +262,22 @@ class SketchPolicy:
             self.timing.n_twins += 1
             return False
         self.kernels.add(kernel)
+        self.picked_kernels[c.key] = kernel
         return True
 
-    def _take_kernel(self, c: Candidate) -> None:
-        """c's kernel counts as measured: no later pick repeats it."""
-        kernel = self._kernel(c)
-        if kernel is not None:
+    def _take_kernel(self, c: Candidate, kernel: str = "") -> str:
+        """c's kernel (as stored with its record, else by the identity) counts as measured: no later pick
+        repeats it. Returns it ("" not known)."""
+        kernel = kernel or self._kernel(c) or ""
+        if kernel:
             self.kernels.add(kernel)
+        return kernel
 
-    def _kernel(self, c: Candidate) -> Hashable | None:
+    def kernel_of(self, c: Candidate) -> str:
+        """The kernel of a program in flight, for its record ("" not known)."""
+        return self.picked_kernels.get(c.key, "")
+
+    def _kernel(self, c: Candidate) -> str | None:
         if self.kernel_identity is None:
             return None
         t0 = time.perf_counter()
@@ -282,16 +292,18 @@ class SketchPolicy:
         with paused_gc():
             self.model.update(self.task, list(cands), list(costs))
 
-    def preload(self, cands: list[Candidate], costs: list[float]) -> None:
-        """Resume: measurements from the history count as measured (and seed the population)."""
-        for c, cost in zip(cands, costs):
-            self._note(c, cost)
+    def preload(self, cands: list[Candidate], costs: list[float], kernels: list[str] | None = None) -> None:
+        """Resume: measurements from the history count as measured (and seed the population); `kernels`:
+        their records' kernels ("" where a record names none: lowered here, if the policy has an identity)."""
+        for c, cost, kernel in zip(cands, costs, kernels or [""] * len(cands)):
+            self._note(c, cost, kernel)
 
-    def _note(self, c: Candidate, cost: float) -> None:
+    def _note(self, c: Candidate, cost: float, kernel: str = "") -> None:
         if c.key in self.in_flight:
             self.in_flight.discard(c.key)       # picked here: its kernel was taken then
+            self.picked_kernels.pop(c.key, None)
         elif c.key not in self.measured:
-            self._take_kernel(c)                # a stored record (resume) or a program the caller chose
+            self._take_kernel(c, kernel)        # a stored record (resume) or a program the caller chose
         # a task without FLOPs (a transpose, a copy) counts one operation per run, so its programs rank
         # by time like any other's: counted as 0 GFLOP/s, none was ever its best, and the network ran its
         # default schedule whatever the search had measured

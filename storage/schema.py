@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 import pandas as pd
 import pyarrow as pa
 
-SCHEMA_VERSION = 3   # 2: num_threads; 3: task_label
+SCHEMA_VERSION = 4   # 2: num_threads; 3: task_label; 4: kernel
 
 # TVM's auto_scheduler MeasureErrorNo, so error codes mean the same thing in both tools.
 ERROR_NAMES: dict[int, str] = {
@@ -55,6 +55,7 @@ class MeasureRecord:
     workload_key: str
     target: str
     steps: str  # compact JSON of the schedule's step list; opaque to storage
+    kernel: str = ""  # which kernel the steps compiled to (codegen.kernel_identity); "" not known
     record_id: str = ""  # uuid4 hex, generated when empty
     flow_run_id: str = ""
     round: int = 0
@@ -106,6 +107,7 @@ FILE_SCHEMA = pa.schema([
     ("network", pa.string()),
     ("host", pa.string()),
     ("steps", pa.string()),
+    ("kernel", pa.string()),
     ("latencies", pa.list_(pa.float64())),
     ("mean_latency", pa.float64()),
     ("gflops", pa.float64()),
@@ -133,12 +135,13 @@ REQUIRED_COLUMNS: tuple[str, ...] = ("record_id", "workload_key", "steps", "mean
                                      "error_code", "schema_version")
 
 # What a column reads as in a file written before the column existed. A version that adds a column adds
-# its default here (version 2 added num_threads: 0, "not recorded"; version 3 task_label: "").
+# its default here (version 2 added num_threads: 0, "not recorded"; version 3 task_label: ""; version 4
+# kernel: "").
 COLUMN_DEFAULTS: dict[str, Any] = {
     "flow_run_id": "", "round": 0, "task_name": "", "network": "", "host": "", "latencies": [],
     "gflops": math.nan, "error_msg": "", "build_seconds": math.nan, "run_seconds": math.nan,
     "model_version": "", "predicted_score": math.nan, "tool_version": "unknown", "flops": math.nan,
-    "num_threads": 0, "task_label": "",
+    "num_threads": 0, "task_label": "", "kernel": "",
 }
 
 if set(RECORD_COLUMNS) != {f.name for f in fields(MeasureRecord)}:

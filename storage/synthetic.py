@@ -5,6 +5,7 @@ duplicated (NaN-safe, order-free).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
 from datetime import datetime, timezone
@@ -45,10 +46,10 @@ def synthetic_batch(rng: np.random.Generator, size: int, *, target: str = "llvm 
     records = []
     for i in range(size):
         task, failed, n = int(task_ids[i]), int(errors[i]), ints[i]
+        steps = STEPS_TEMPLATE % (1024, n[0], n[1], n[2], 512, n[3], n[4], n[5], 64, n[6], n[7] * 8, 256, n[8], n[9])
         records.append(MeasureRecord(
-            workload_key=workload_key(task), target=target,
-            steps=STEPS_TEMPLATE % (1024, n[0], n[1], n[2], 512, n[3], n[4], n[5], 64, n[6],
-                                    n[7] * 8, 256, n[8], n[9]),
+            workload_key=workload_key(task), target=target, steps=steps,
+            kernel=hashlib.blake2b(steps.encode(), digest_size=16).hexdigest(),
             flow_run_id=flow_run_id, round=round, timestamp=timestamp,
             task_name=f"conv2d_nchw_{task}", task_label=f"conv2d_nchw_{task} 1x64x56x56, 64x64x3x3 -> 1x64x56x56",
             network=NETWORKS[task % len(NETWORKS)], host=host,

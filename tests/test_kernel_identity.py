@@ -6,14 +6,16 @@ from __future__ import annotations
 import pytest
 
 from tensortune.codegen import llvm_backend
-from tensortune.codegen.kernel_identity import KernelIdentity, kernel_text
+from tensortune.codegen.kernel_identity import PREFIX, KernelIdentity, kernel_text
 from tensortune.codegen.llvm_codegen import generate_llvm_ir
 from tensortune.codegen.lower import lower
 from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
 from tensortune.codegen.object_cache import ObjectCache
 from tensortune.codegen.target import make_task
+from tensortune.flows.tuning import resume_policy, to_records, tune_task
 from tensortune.schedule.state import State
 from tensortune.search.sketch_policy import SketchPolicy
+from tensortune.storage.records import RecordStore
 from tensortune.tasks import te
 from tensortune.tasks.compute_dag import ComputeDAG
 from tensortune.tasks.network_ops import transpose
@@ -41,7 +43,7 @@ def test_twins_share_an_identity_and_compile_to_the_same_object(monkeypatch):
     identity = KernelIdentity(make_task(make_dag("matmul", 48, 40, 64), "llvm"))
     none, sixteen, sixty_four = (_matmul_unrolled_to(d) for d in (0, 16, 64))
     assert identity(none) == identity(sixteen) != identity(sixty_four)
-    assert identity(none) is not None and len(identity(none)) == 16
+    assert identity(none) is not None and identity(none).startswith(PREFIX) and len(identity(none)) == 35
 
     # twins whose LLVM IR differs (its value names are the loops' names): one identity, one object code
     split, fused = _transposes()
@@ -98,3 +100,42 @@ def test_the_search_never_measures_one_kernel_twice(with_identity):
         assert len(set(kernels)) == len(kernels) == 36 and twins > 0      # full batches, of new kernels
     else:
         assert len(set(kernels)) < len(kernels)
+
+
+class _Counted:
+    """The real identity, counting the programs it lowered."""
+
+    def __init__(self, identity: KernelIdentity):
+        self.identity, self.calls = identity, 0
+
+    def __call__(self, state: State) -> str | None:
+        self.calls += 1
+        return self.identity(state)
+
+
+def test_records_name_their_kernels_and_a_resumed_search_lowers_none_of_them(tmp_path):
+    task = make_task(make_dag("max_pool2d", 1, 2, 4, 4, 2, 2, 0), "llvm -num-threads=1")
+    identity = KernelIdentity(task)
+    store, bare = RecordStore(str(tmp_path / "records")), RecordStore(str(tmp_path / "bare"))
+    with ProgramMeasurer(LocalBuilder(), LocalRunner()) as measurer:
+        tune_task(task, 24, measurer=measurer, records=store, seed=2)
+        # records written without kernels (before schema 4, or by a caller that has no identity)
+        programs = SketchPolicy(task, seed=2).sample(6)
+        bare.append(to_records(task, programs, measurer.measure(task, [c.steps_json for c in programs]), round_=0))
+    frame = store.records_of(task.workload_key)
+    stored = set(frame["kernel"])
+    assert len(frame) == len(stored) == 24
+    assert list(frame["kernel"]) == [identity(State.from_json(task.dag, s)) for s in frame["steps"]]
+
+    counted = _Counted(identity)
+    resumed = SketchPolicy(task, seed=5, kernel_identity=counted)
+    assert resume_policy(resumed, store) == 24 and counted.calls == 0       # the records named them
+    batch = resumed.next_batch(12)
+    assert batch and all(resumed.kernel_of(c) == identity(c.state) not in stored for c in batch)
+
+    assert (bare.records_of(task.workload_key)["kernel"] == "").all()
+    counted = _Counted(identity)
+    resume_policy(SketchPolicy(task, seed=5, kernel_identity=counted), bare)
+    assert counted.calls == 6                                             # lowered once each, at resume
+    for steps in list(frame["steps"][:2]) + [programs[0].steps_json]:
+        check_state(State.from_json(task.dag, steps))

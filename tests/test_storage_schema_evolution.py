@@ -13,7 +13,8 @@ from tensortune.storage.schema import COLUMN_DEFAULTS, SCHEMA_VERSION
 from tensortune.storage.synthetic import row_multiset, synthetic_batch, workload_key
 
 # What an older tensortune would not have written: the cost-model and FLOP columns.
-NEWER = ["model_version", "predicted_score", "flops", "gflops", "latencies", "host", "num_threads", "task_label"]
+NEWER = ["model_version", "predicted_score", "flops", "gflops", "latencies", "host", "num_threads", "task_label",
+         "kernel"]
 
 
 def _write_old_file(store: RecordStore, seed: int) -> str:
@@ -40,10 +41,10 @@ def test_old_files_read_with_defaults(tmp_path):
     assert olds["predicted_score"].isna().all() and olds["flops"].isna().all()
     assert all(len(v) == 0 for v in olds["latencies"])
     assert (olds["host"] == "").all()
-    assert (olds["num_threads"] == 0).all() and (olds["task_label"] == "").all()
+    assert (olds["num_threads"] == 0).all() and (olds["task_label"] == "").all() and (olds["kernel"] == "").all()
     news = frame[frame["schema_version"] == SCHEMA_VERSION]
     assert len(news) == 8 and (news["model_version"] != "").all() and (news["num_threads"] == 2).all()
-    assert (news["task_label"] != "").all()
+    assert (news["task_label"] != "").all() and (news["kernel"].str.len() == 32).all()
     assert str(frame["round"].dtype) == "int32"  # defaults keep the column types
     records = store.load_records()  # and rows become MeasureRecords again
     assert len(records) == 20 and any(math.isnan(r.flops) for r in records)
