@@ -20,7 +20,6 @@ from tensortune.codegen.artifact import Artifact
 from tensortune.codegen.ir import LoweredFunc
 from tensortune.codegen.llvm_codegen import generate_llvm_ir
 from tensortune.codegen.lower import lower
-from tensortune.codegen.object_cache import ObjectCache
 from tensortune.codegen.target import Target, parse_target
 from tensortune.codegen.timing import FLUSH_BYTES, ErrorCode, TimingConfig, flush_cpu_cache, load_reference, time_runs
 from tensortune.schedule.layout_rewrite import WeightLayout, weight_layouts
@@ -31,7 +30,6 @@ from tensortune.tasks.reference import mismatch
 from tensortune.tasks.search_task import SearchTask
 
 _lock = threading.Lock()
-OBJECTS = ObjectCache()      # this process's compiled IR
 
 
 @lru_cache(maxsize=None)
@@ -75,12 +73,7 @@ def _target_machine(cpu: str, features: str):
 
 
 def compile_ir(ir: str, target: Target) -> bytes:
-    """Verify, optimise at O3 and emit object code for the target CPU; IR compiled before in this
-    process is not compiled again (`object_cache`)."""
-    return OBJECTS.get_or_compile(ir, target.cpu, target.features, lambda: _compile_ir(ir, target))
-
-
-def _compile_ir(ir: str, target: Target) -> bytes:
+    """Verify, optimise at O3 and emit object code for the target CPU."""
     tm = _target_machine(target.cpu, target.features)
     with _lock:
         mod = llvm.parse_assembly(ir)
