@@ -26,7 +26,7 @@ from tensortune.schedule.program import Program
 from tensortune.schedule.state import State
 from tensortune.search.feature import FeatureExtractor
 from tensortune.search.feature_parts import Part
-from tensortune.search.helper_pool import HelperPool
+from tensortune.search.helper_pool import HelperPool, callers_share
 from tensortune.search.memory import paused_gc
 from tensortune.tasks.search_task import SearchTask
 
@@ -62,8 +62,9 @@ class Featurizer:
                 future = self.helpers.submit(worker - 1, _extract, task.workload_key, task.to_json(), jobs)
                 pending.append((worker, shares[worker], future))
         out, starts = ex.rows(states, np.float32)
-        for key, members in shares[0]:
-            ex.place(out, starts, members, ex.evaluate_members(key, states, members))
+        with callers_share(bool(pending)):
+            for key, members in shares[0]:
+                ex.place(out, starts, members, ex.evaluate_members(key, states, members))
         for worker, share, future in pending:
             feats = self.helpers.result(worker - 1, future)
             if feats is None:

@@ -23,7 +23,7 @@ from tensortune.schedule.state import State
 from tensortune.schedule.steps import Step
 from tensortune.search.annotation import InvalidSample, sample_state
 from tensortune.search.gpu_annotation import sample_gpu_state
-from tensortune.search.helper_pool import HelperPool
+from tensortune.search.helper_pool import HelperPool, callers_share
 from tensortune.search.memory import paused_gc
 from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import Sketch
@@ -99,9 +99,10 @@ class SketchDraws:
                                             seed, count)
                     pending.append((i, future))
         shares: list[Drawn] = [[] for _ in seeds]
-        for i, seed in enumerate(seeds):
-            if i % ways == 0:
-                shares[i] = list(draw_share(self.task, self.sketches, self.params, seed, count))
+        with callers_share(bool(pending)):
+            for i, seed in enumerate(seeds):
+                if i % ways == 0:
+                    shares[i] = list(draw_share(self.task, self.sketches, self.params, seed, count))
         for i, future in pending:
             got = helpers.result(i % ways - 1, future) if helpers is not None else None
             shares[i] = got if got is not None else list(draw_share(self.task, self.sketches, self.params,

@@ -16,6 +16,7 @@ import pytest
 from tensortune.codegen.target import make_task
 from tensortune.search.feature import FeatureExtractor
 from tensortune.search.feature_pool import Featurizer
+from tensortune.search.helper_pool import SHARING_SWITCH_INTERVAL, callers_share
 from tensortune.search.sketch_policy import SketchPolicy
 from tensortune.tasks.workload_registry import make_dag
 
@@ -196,3 +197,22 @@ def test_helpers_that_die_as_they_start_are_given_up_with_one_warning(tmp_path):
     assert done.stdout.split() == ["helpers", "0"]
     assert done.stderr.count("die as they start") == 1
     assert done.stderr.count("doing its share here") == 1, done.stderr
+
+
+def test_the_callers_share_hands_the_gil_over_quickly_and_restores_the_interval():
+    """While the caller computes its share, the executor's threads must send the helpers' jobs: the
+    switch interval is short inside `callers_share` (nested too) and back to what it was after, and
+    unchanged where nothing was submitted."""
+    def short() -> bool:            # the interpreter keeps it in microseconds
+        return sys.getswitchinterval() == pytest.approx(SHARING_SWITCH_INTERVAL)
+
+    before = sys.getswitchinterval()
+    assert not short()
+    with callers_share():
+        assert short()
+        with callers_share():
+            assert short()
+        assert short()
+    assert sys.getswitchinterval() == before
+    with callers_share(False):
+        assert sys.getswitchinterval() == before
