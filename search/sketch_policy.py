@@ -15,7 +15,6 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -23,6 +22,7 @@ from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate, StepsKey
 from tensortune.search.cost_model import CostModel, RandomModel
 from tensortune.search.gpu_annotation import check_gpu_limits
+from tensortune.search.identities import Identities, KernelIdentity
 from tensortune.search.memory import paused_gc
 from tensortune.search.mutation import (
     crossover,
@@ -41,13 +41,6 @@ log = logging.getLogger("tensortune.search")
 # rounds of shares `sample` draws before it settles for fewer programs than asked (drawn programs can
 # repeat each other or earlier ones; a small space runs out)
 SAMPLE_WAVES = 4
-
-
-class KernelIdentity(Protocol):
-    """Which kernel a program compiles to: equal strings, one kernel (None: unknown, e.g. a program that
-    does not lower; the measurement reports it). `codegen.kernel_identity.KernelIdentity` is one."""
-
-    def __call__(self, state: State) -> str | None: ...
 
 
 @dataclass
@@ -77,15 +70,15 @@ class SketchPolicy:
         self.draws = SketchDraws(task, self.sketches, self.params)
         self.measured: dict[StepsKey, float] = {}        # program key -> throughput (GFLOP/s), 0 if failed
         self.measured_cands: dict[StepsKey, Candidate] = {}
-        # proposed and not yet measured: a round searched while the last one is still being timed
-        # (the flow's overlapped rounds) must not propose them again
-        self.in_flight: set[StepsKey] = set()
+        # proposed and not yet measured, with their kernels ("" not known, for their records): a round
+        # searched while the last one is still being timed (the flow's overlapped rounds) must not
+        # propose them again
+        self.in_flight: dict[StepsKey, str] = {}
         self.best: tuple[float, Candidate] | None = None     # (GFLOP/s, program) of the fastest measured
         self.best_cost = math.inf                              # ... and its seconds per run, as measured
-        self.kernel_identity = kernel_identity
+        self.identities = Identities(kernel_identity) if kernel_identity is not None else None
         self.kernels: set[str] = set()          # the kernels of programs measured, in flight or picked
         self.twins: set[StepsKey] = set()        # programs found to repeat one of those kernels
-        self.picked_kernels: dict[StepsKey, str] = {}    # the kernels of the programs in flight
         self.timing = RoundTiming()
         # programs to measure first (e.g. a runtime's default schedule), so tuning never ends worse
         self.initial_programs = [Candidate.of(s) for s in initial_programs or []]
@@ -210,30 +203,44 @@ class SketchPolicy:
         best = self.evolve(init + good, 2 * n)
         randoms = [c for c in init if not self._taken(c.key)]
         self.rng.shuffle(randoms)
-        picked: dict[StepsKey, Candidate] = {}
+        picked: dict[StepsKey, tuple[Candidate, str]] = {}
         for c in self.initial_programs:         # measured whatever their kernel: the runtime's own schedule
             if not self._taken(c.key) and len(picked) < n:
-                kernel = self._take_kernel(c)
-                if kernel:
-                    self.picked_kernels[c.key] = kernel
-                picked.setdefault(c.key, c)
+                picked.setdefault(c.key, (c, self._take_kernel(c)))
         self.initial_programs = []
-        for c in best:
-            if len(picked) >= n - n_random:
-                break
-            if c.key not in picked and self._runnable(c) and self._new_kernel(c):
-                picked[c.key] = c
-        for c in randoms + best:
-            if len(picked) >= n:
-                break
-            if c.key not in picked and self._runnable(c) and self._new_kernel(c):
-                picked[c.key] = c
-        self.in_flight.update(picked)
+        self._pick(picked, best, n - n_random)
+        self._pick(picked, randoms + best, n)
+        self.in_flight.update((key, kernel) for key, (_, kernel) in picked.items())
         # keep the batch's scores (the caller reads them back) and drop the round's ~10 000 others: the next
         # round's model is a new one, and kept until then they were the bulk of what the cyclic collector
         # scanned when the round ended (33 of its 55 ms in a 32² round, `paused_gc`)
         self._scores = {k: self._scores[k] for k in picked if k in self._scores}
-        return list(picked.values())
+        return [c for c, _ in picked.values()]
+
+    def _pick(self, picked: dict[StepsKey, tuple[Candidate, str]], cands: list[Candidate], size: int) -> None:
+        """Take programs from `cands`, in order, into `picked` (with their kernels) until it holds `size`;
+        pass over those taken already, over the target's limits, or twins of a kernel measured, in flight
+        or picked (remembered in `twins`). The programs a pick will consider are known ahead: the next
+        `size - len(picked)` eligible ones are each picked or found a twin, so their kernels are asked for
+        together (`Identities` lowers them on the helpers too), chunk after chunk while twins leave room."""
+        rest = iter(cands)
+        while len(picked) < size:
+            chunk: dict[StepsKey, Candidate] = {}
+            for c in rest:
+                if c.key not in picked and c.key not in chunk and not self._taken(c.key) and self._runnable(c):
+                    chunk[c.key] = c
+                    if len(chunk) == size - len(picked):
+                        break
+            if not chunk:
+                return
+            for c, kernel in zip(chunk.values(), self._kernels(list(chunk.values()))):
+                if kernel is not None and kernel in self.kernels:
+                    self.twins.add(c.key)
+                    self.timing.n_twins += 1
+                    continue
+                if kernel is not None:
+                    self.kernels.add(kernel)
+                picked[c.key] = (c, kernel or "")
 
     def _taken(self, key: StepsKey) -> bool:
         """Measured, proposed and still being measured, or a known twin of either: never proposed (again)."""
@@ -249,41 +256,25 @@ class SketchPolicy:
             self.timing.n_over_limits += 1
         return why is None
 
-    def _new_kernel(self, c: Candidate) -> bool:
-        """False where c compiles to the kernel of a program measured, in flight or picked this round
-        (a trial it would spend on a kernel already timed); True, and its kernel taken, otherwise."""
-        if c.key in self.twins:
-            return False
-        kernel = self._kernel(c)
-        if kernel is None:
-            return True
-        if kernel in self.kernels:
-            self.twins.add(c.key)
-            self.timing.n_twins += 1
-            return False
-        self.kernels.add(kernel)
-        self.picked_kernels[c.key] = kernel
-        return True
-
     def _take_kernel(self, c: Candidate, kernel: str = "") -> str:
         """c's kernel (as stored with its record, else by the identity) counts as measured: no later pick
         repeats it. Returns it ("" not known)."""
-        kernel = kernel or self._kernel(c) or ""
+        kernel = kernel or self._kernels([c])[0] or ""
         if kernel:
             self.kernels.add(kernel)
         return kernel
 
     def kernel_of(self, c: Candidate) -> str:
         """The kernel of a program in flight, for its record ("" not known)."""
-        return self.picked_kernels.get(c.key, "")
+        return self.in_flight.get(c.key, "")
 
-    def _kernel(self, c: Candidate) -> str | None:
-        if self.kernel_identity is None:
-            return None
+    def _kernels(self, cands: list[Candidate]) -> list[str | None]:
+        if self.identities is None:
+            return [None] * len(cands)
         t0 = time.perf_counter()
-        kernel = self.kernel_identity(c.state)
+        kernels = self.identities(cands, self.model.helpers)
         self.timing.identify_s += time.perf_counter() - t0
-        return kernel
+        return kernels
 
     def update(self, cands: list[Candidate], costs: list[float]) -> None:
         """Record measurements (seconds per run; inf for failures) and retrain the cost model."""
@@ -300,8 +291,7 @@ class SketchPolicy:
 
     def _note(self, c: Candidate, cost: float, kernel: str = "") -> None:
         if c.key in self.in_flight:
-            self.in_flight.discard(c.key)       # picked here: its kernel was taken then
-            self.picked_kernels.pop(c.key, None)
+            del self.in_flight[c.key]           # picked here: its kernel was taken then
         elif c.key not in self.measured:
             self._take_kernel(c, kernel)        # a stored record (resume) or a program the caller chose
         # a task without FLOPs (a transpose, a copy) counts one operation per run, so its programs rank

@@ -13,6 +13,9 @@ from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasure
 from tensortune.codegen.target import make_task
 from tensortune.flows.tuning import resume_policy, to_records, tune_task
 from tensortune.schedule.state import State
+from tensortune.search.cost_model import XGBModel
+from tensortune.search.feature_pool import Featurizer
+from tensortune.search.identities import Identities
 from tensortune.search.sketch_policy import SketchPolicy
 from tensortune.storage.records import RecordStore
 from tensortune.tasks import te
@@ -103,7 +106,7 @@ class _Counted:
     """The real identity, counting the programs it lowered."""
 
     def __init__(self, identity: KernelIdentity):
-        self.identity, self.calls = identity, 0
+        self.identity, self.task, self.calls = identity, identity.task, 0
 
     def __call__(self, state: State) -> str | None:
         self.calls += 1
@@ -136,3 +139,45 @@ def test_records_name_their_kernels_and_a_resumed_search_lowers_none_of_them(tmp
     assert counted.calls == 6                                             # lowered once each, at resume
     for steps in list(frame["steps"][:2]) + [programs[0].steps_json]:
         check_state(State.from_json(task.dag, steps))
+
+
+def test_helpers_lower_their_share_and_the_batches_stay_the_same():
+    """The kernels a pick considers are lowered on the search's helper too (`search/identities.py`): the
+    same identities as in this process, so the same batches and twins, round after round of a small
+    space whose twins need several chunks; an identity that does not pickle is asked here only."""
+    conv = make_task(make_dag("conv2d_relu", 1, 14, 14, 16, 16, 3, 3, 1, 1), "llvm -num-threads=2")
+    pool = make_task(make_dag("max_pool2d", 1, 2, 4, 4, 2, 2, 0), "llvm -num-threads=1")
+    shared, alone = Featurizer(processes=1), Featurizer(processes=0)
+    try:
+        identity = KernelIdentity(conv)
+        programs = SketchPolicy(conv, seed=3).sample(48)
+        kernels = Identities(identity)(programs, shared.helpers)
+        assert shared.helpers.pids(), "no share went to the helper"
+        assert None not in kernels and kernels == [identity(c.state) for c in programs]
+
+        for task, n in ((conv, 40), (pool, 24)):
+            policies = [SketchPolicy(task, XGBModel(features=f, seed=4), seed=4, kernel_identity=KernelIdentity(task))
+                        for f in (shared, alone)]
+            for _ in range(3 if task is pool else 1):
+                batches = [p.next_batch(n) for p in policies]
+                assert [c.steps_json for c in batches[0]] == [c.steps_json for c in batches[1]] and batches[0]
+                assert policies[0].twins == policies[1].twins
+                assert [policies[0].kernel_of(c) for c in batches[0]] == [KernelIdentity(task)(c.state)
+                                                                          for c in batches[0]]
+                for p, batch in zip(policies, batches):
+                    p.update(batch, [1e-4] * len(batch))
+            assert policies[0].twins or task is conv
+    finally:
+        shared.close()
+
+    class Local:                    # a class inside a function does not pickle: lowered here only
+        task = conv
+
+        def __call__(self, state: State) -> str | None:
+            return identity(state)
+
+    fresh = Featurizer(processes=1)
+    try:
+        assert Identities(Local())(programs, fresh.helpers) == kernels and not fresh.helpers.pids()
+    finally:
+        fresh.close()
