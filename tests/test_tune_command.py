@@ -210,4 +210,4 @@ def test_ctrl_c_ends_the_flow_with_one_line_and_no_worker_traceback(tmp_path):
     assert proc.returncode == 130, (out + err)[-3000:]
     stored = len(RecordStore(str(records)).read())
     assert f"interrupted: {stored} measurements of this run are stored in {records}" in err
-    assert "KeyboardInterrupt" not in out + err and "Traceback" not in out + err
+    assert "KeyboardInterrupt" not in out + err and "Traceback" not in out + err, (out + err)[-6000:]
