@@ -3,6 +3,10 @@ not, do not; and the search, handed the identity, spends no trial on a kernel it
 or picked already. Every kernel built here is checked against the NumPy reference."""
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
 from tensortune.codegen import llvm_backend
@@ -154,6 +158,10 @@ def test_helpers_lower_their_share_and_the_batches_stay_the_same():
         kernels = Identities(identity)(programs, shared.helpers)
         assert shared.helpers.pids(), "no share went to the helper"
         assert None not in kernels and kernels == [identity(c.state) for c in programs]
+        (pid,) = shared.helpers.pids()
+        os.kill(pid, signal.SIGKILL)               # a dead helper's share is lowered here
+        time.sleep(0.2)
+        assert Identities(identity)(programs, shared.helpers) == kernels
 
         for task, n in ((conv, 40), (pool, 24)):
             policies = [SketchPolicy(task, XGBModel(features=f, seed=4), seed=4, kernel_identity=KernelIdentity(task))
