@@ -20,10 +20,10 @@ and their warm state are made once per tuning run.
 A job submitted is not yet sent: the executor's own threads move it to the call queue, pickle it and
 write it to the helper's pipe, and each step needs the GIL, which the caller holds while it computes its
 own share. At Python's default switch interval (5 ms) each step waited that long, so a helper began its
-share tens of ms late and 64 kernel identities took 0.10-0.14 s on two processes where one took 0.13
+share tens of ms late and 64 kernel identities took 0.09-0.14 s on two processes where one took 0.13
 (2-vCPU Xeon VM); callers therefore compute their share inside `callers_share()`, which shortens the
-interval (0.07 s; and 28.3 s to 25.2 s for the 19 proposals of `bench search` at 224², where sampling
-and features share the same way).
+interval (0.07 s then; sampling, which shares the same way, 6.6-6.8 s against 7.0-7.6 s of the 19
+proposals of `bench search` at 224²).
 """
 from __future__ import annotations
 
