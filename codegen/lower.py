@@ -398,37 +398,51 @@ VECTOR_STEP_LANES = 16
 
 
 def _mark_unroll(s: Stmt) -> Stmt:
-    """TVM's UnrollLoop: under auto_unroll_max_step, unroll a loop when everything inside it is unrolled
-    and extent x statements stays within the limit; `unroll` annotations always unroll."""
+    """TVM's UnrollLoop: under auto_unroll_max_step, unroll a loop when everything inside it is unrolled,
+    at most AUTO_UNROLL_MAX_DEPTH unrolled loops are nested inside it, and extent x statements stays
+    within the limit; `unroll` annotations always unroll.
 
-    def visit(s: Stmt, max_step: int, depth: int) -> tuple[int, int]:
-        """Returns (statement count after unrolling, depth of non-unrolled loops inside)."""
+    Counted from the inside out, as TVM counts (post order), over the loops TVM's UnrollLoop sees: a
+    loop of extent 1 is a let there (MakeLoopNest), a thread binding an attribute, and a vthread was
+    expanded into copies of its body (InjectVirtualThread runs first), so none of them is a loop that
+    blocks an unroll or counts toward the depth. (Counting the depth from the root instead, as this did
+    before, left every loop of a GPU program, under its block, thread and extent-1 tile loops, and the
+    innermost loops of deep CPU nests rolled whatever the pragma said: the search's unroll choices
+    changed no kernel there.)"""
+
+    def visit(s: Stmt, max_step: int) -> tuple[int, int, int]:
+        """(statements after unrolling, loops inside left rolled, unrolled loops nested inside): TVM's
+        step_count_, normal_loop_depth_ and unroll_depth_."""
         if isinstance(s, For):
             step = s.pragmas.get("auto_unroll_max_step", max_step)
-            count, normal = visit(s.body, step, depth + 1)
+            count, rolled, unrolled = visit(s.body, step)
+            if s.kind in GPU_BINDINGS:
+                return (count * s.extent if s.kind == "vthread" else count), rolled, unrolled
+            if s.extent == 1 and s.kind in ("serial", "unroll"):
+                return count, rolled, unrolled
             if s.kind == "unroll":
-                return count * s.extent, normal
+                return count * s.extent, rolled, unrolled + 1
             if s.kind == "vectorize":
                 # up to VECTOR_STEP_LANES lanes is one step (TVM's annotation never vectorizes wider);
                 # a wider loop (a packing copy's whole row) becomes that many native operations
-                return count * -(-s.extent // VECTOR_STEP_LANES), normal
-            if (s.kind == "serial" and step > 0 and normal == 0 and depth < AUTO_UNROLL_MAX_DEPTH
+                return count * -(-s.extent // VECTOR_STEP_LANES), rolled, unrolled
+            if (s.kind == "serial" and step > 0 and rolled == 0 and unrolled <= AUTO_UNROLL_MAX_DEPTH
                     and s.extent * count <= step):
                 s.kind = "unroll"
-                return count * s.extent, 0
-            return count * s.extent, normal + 1
+                return count * s.extent, 0, unrolled + 1
+            return count * s.extent, rolled + 1, unrolled
         if isinstance(s, Seq):
-            res = [visit(c, max_step, depth) for c in s.stmts]
-            return sum(r[0] for r in res), max(r[1] for r in res)
+            res = [visit(c, max_step) for c in s.stmts]
+            return sum(r[0] for r in res), max(r[1] for r in res), max(r[2] for r in res)
         if isinstance(s, IfThenElse):
-            a = visit(s.then, max_step, depth)
-            b = visit(s.orelse, max_step, depth) if s.orelse is not None else (0, 0)
-            return a[0] + b[0], max(a[1], b[1])
+            a = visit(s.then, max_step)
+            b = visit(s.orelse, max_step) if s.orelse is not None else (0, 0, 0)
+            return a[0] + b[0], max(a[1], b[1]), max(a[2], b[2])
         if isinstance(s, Allocate):
-            return visit(s.body, max_step, depth)
-        return 1, 0
+            return visit(s.body, max_step)
+        return 1, 0, 0
 
-    visit(s, 0, 0)
+    visit(s, 0)
     return s
 
 

@@ -116,6 +116,17 @@ def test_matmul_kernel_has_shared_tiles_barriers_and_vthread_copies():
     assert k.shared_bytes == 4 * (32 * 8 + 8 * 32)
 
 
+@needs_nvcc
+def test_the_unroll_pragma_reaches_loops_under_the_thread_bindings():
+    """A GPU program's loops sit under its block, thread and vthread loops and tile loops of extent 1;
+    TVM counts none of them, so the search's auto-unroll choice changes the kernel (before, every value
+    gave one source: the unroll depth was counted from the root)."""
+    sources = {u: generate(_matmul_program(unroll=u)).source for u in (0, 16, 512)}
+    assert "#pragma unroll" not in sources[0] and "#pragma unroll" in sources[512]
+    assert len(set(sources.values())) == 3
+    compile_cubin(sources[512])
+
+
 def test_limits_are_checked_before_nvcc():
     state = _matmul_program(n=256, tile=(1, 32, 1, 1))         # 32 x 32 = 1024 threads: fits
     check_limits(generate(state), make_task(state.dag, TARGET).hardware)

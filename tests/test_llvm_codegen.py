@@ -65,6 +65,19 @@ def test_auto_unroll_pragma_unrolls_short_loops_only_when_asked():
     assert 'for (ax2, 0, 8) "unroll"' in rows(64) and 'for (ax2, 0, 8) "unroll"' not in rows(256)
 
 
+def test_auto_unroll_counts_unrolled_loops_inside_not_loops_above():
+    """TVM's UnrollLoop limits how many unrolled loops nest inside a loop (8), counting loops from the
+    inside out, and never counts loops of extent 1 (lets there). Counted from the root, the innermost
+    loops of a deep tile nest stayed rolled whatever the pragma: here six loops of extent 1 stand above
+    the reduction, which unrolls (8 steps), as does j.4 (2 x (8 + the init) = 18); j.0 (72) stays a loop."""
+    s = State(make_dag("matmul", 8, 8, 8)).split("C", 0, [1, 1, 1, 2]).split("C", 5, [1, 1, 1, 2])
+    s = s.pragma("C", 0, "auto_unroll_max_step$64")
+    text = lower(s).text()
+    unrolled = re.findall(r"for \((\w+\.?\d*), 0, (\d+)\) \"unroll\"", text)
+    assert sorted(unrolled) == [("j.4", "2"), ("k", "8")], text
+    check_state(s)
+
+
 def test_register_tiled_matmul_is_correct():
     check_state(_register_tiled_matmul(96))
 
