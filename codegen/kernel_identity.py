@@ -7,7 +7,7 @@ under it is over both values (or under them). A search that measured each of the
 kernel it had timed: 7 of 128 programs of a 1024³ matmul run, 3 of 128 of a ResNet-18 conv, 182-196
 of a 224² ResNet-18 run's 1 280 (most of them the pools', whose spaces are small). The search could not
 see it: it never lowers a program, and may not import codegen. The flows hand it this identity
-instead (`search.sketch_policy.KernelIdentity`). (A builder-side cache of object code by IR served
+instead (`search.identities.KernelIdentity`). (A builder-side cache of object code by IR served
 those twins' compilations until the search stopped proposing them; with the identity every record of a
 flow has IR of its own, so it was removed.)
 
