@@ -220,9 +220,18 @@ def _children_ignore_ctrl_c() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+def cluster_workers(client: Client) -> dict[str, dict]:
+    """The workers the scheduler knows now (address -> its identity: host, resources, ...), asked of
+    the scheduler itself. Not `client.scheduler_info(n_workers=-1)`: that call updates the client's
+    cached identity and then reads the cache, which the client's own 2-second refresh (run on its event
+    loop, asking for no workers) may have overwritten in between; it then says the cluster has no
+    workers. Under load that happened (a prebuild found no build node beside a running timing)."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def workers_with(client: Client, resource: str) -> list[str]:
     """Addresses of the workers advertising `resource`."""
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = cluster_workers(client)
     return [addr for addr, info in workers.items() if info.get("resources", {}).get(resource, 0) > 0]
 
 
@@ -232,7 +241,7 @@ def require_resource(client: Client, resource: str, wait: float = 0.0) -> None:
     deadline = time.monotonic() + wait
     while not workers_with(client, resource):
         if time.monotonic() >= deadline:
-            n = len(client.scheduler_info(n_workers=-1)["workers"])
+            n = len(cluster_workers(client))
             flag = f"--resources {resource}=" + ("4" if resource == NVCC_RESOURCE else "1")
             where = {GPU_RESOURCE: " on a GPU node", NVCC_RESOURCE: " on a node with the CUDA toolkit"}
             raise ClusterError(

@@ -39,7 +39,14 @@ from distributed.client import ClosedClientError
 from tensortune.codegen.measure import BuildResult, LocalBuilder, LocalRunner, MeasureResult
 from tensortune.codegen.recent_builds import BUILD_ERRORS, RecentBuilds
 from tensortune.codegen.timing import ErrorCode, TimingConfig
-from tensortune.flows.dask_cluster import ClusterError, build_resource, measure_resource, require_resource, workers_with
+from tensortune.flows.dask_cluster import (
+    ClusterError,
+    build_resource,
+    cluster_workers,
+    measure_resource,
+    require_resource,
+    workers_with,
+)
 from tensortune.flows.measure_targets import measure_node_targets, resolve_measure_target
 from tensortune.tasks.search_task import SearchTask
 
@@ -216,7 +223,7 @@ class DaskMeasurer:
         with a timing worker."""
         if self.client.status != "running":
             return []                                # measure() says what happened to the cluster
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        info = cluster_workers(self.client)
         timers = set(self.workers) or set(workers_with(self.client, measure_resource(task.target_kind)))
         busy = {info[a]["host"] for a in timers if a in info}
         if not busy or busy & self.here:
@@ -259,7 +266,7 @@ class DaskMeasurer:
         with self._prebuilt_lock:
             found = {i: f for i in todo if (f := self._prebuilt.pop((task.workload_key, steps_list[i]), None))}
         if any(future.status == "pending" for future, _ in found.values()):
-            alive = set(self.client.scheduler_info(n_workers=-1)["workers"])      # asked once per batch
+            alive = set(cluster_workers(self.client))      # asked once per batch
             for i, (future, workers) in list(found.items()):
                 if future.status == "pending" and not alive & set(workers):
                     future.cancel()

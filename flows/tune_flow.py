@@ -30,7 +30,14 @@ from tensortune.codegen.target import parse_target
 from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
 from tensortune.flows import artifacts
 from tensortune.flows.compile_step import compile_network_step
-from tensortune.flows.dask_cluster import CLUSTER_ENV, CLUSTER_VARIABLE, CPU_RESOURCE, dask_client, local_resources
+from tensortune.flows.dask_cluster import (
+    CLUSTER_ENV,
+    CLUSTER_VARIABLE,
+    CPU_RESOURCE,
+    cluster_workers,
+    dask_client,
+    local_resources,
+)
 from tensortune.flows.dask_measure import DaskMeasurer
 from tensortune.flows.measure_targets import MeasureTarget, measure_node_targets, resolve_measure_target
 from tensortune.flows.retrain import NewestModel, Trainer, load_newest, retrain
@@ -444,7 +451,7 @@ def measure_target(client, target: str) -> MeasureTarget:
     """The target to tune for, from the measure workers (each reports its CPU and cores): a bare `llvm`
     is theirs, not this process's (flows.measure_targets)."""
     resolved = resolve_measure_target(target, measure_node_targets(client))
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = cluster_workers(client)
     get_run_logger().info(f"Dask scheduler {client.scheduler.address}, {len(workers)} workers; tuning for "
                           f"{parse_target(resolved.target)}, timed on "
                           f"{', '.join(resolved.workers) or 'the workers with the resource'}")

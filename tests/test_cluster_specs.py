@@ -37,6 +37,7 @@ from tensortune.flows.dask_cluster import (
     GPU_PRELOAD,
     GPU_RESOURCE,
     ClusterError,
+    cluster_workers,
     connect,
     cpu_measure_node,
     gpu_node,
@@ -139,7 +140,7 @@ def _wait_for(client, n: int, procs: Processes, timeout: float = 90) -> dict[str
         client.wait_for_workers(n, timeout=timeout)
     except TimeoutError:
         pytest.fail(f"{n} workers did not join; their output:\n{procs.logs()}")
-    return client.scheduler_info(n_workers=-1)["workers"]
+    return cluster_workers(client)
 
 
 # ------------------------------------------------------------------ dask-jobqueue: SLURM and PBS

@@ -232,7 +232,7 @@ def test_the_compose_cluster_specs_start_a_real_cluster_that_measures(tmp_path):
     from tensortune.codegen.target import make_task
     from tensortune.codegen.timing import TimingConfig
     from tensortune.flows.cluster_security import TLS_DIR_ENV, make_certificates
-    from tensortune.flows.dask_cluster import connect, workers_with
+    from tensortune.flows.dask_cluster import cluster_workers, connect, workers_with
     from tensortune.flows.dask_measure import DaskMeasurer
     from tensortune.schedule.state import State
     from tensortune.tasks.workload_registry import make_dag
@@ -263,7 +263,7 @@ def test_the_compose_cluster_specs_start_a_real_cluster_that_measures(tmp_path):
             assert _tls_without_certificate_refused(port, certs.ca_file)
             with pytest.raises((OSError, TimeoutError)):
                 Client(f"tcp://127.0.0.1:{port}", timeout=5, set_as_default=False)
-            names = {info["name"]: addr for addr, info in client.scheduler_info(n_workers=-1)["workers"].items()}
+            names = {info["name"]: addr for addr, info in cluster_workers(client).items()}
             assert workers_with(client, "measure-cpu") == [names["cpu-0"]]
             assert workers_with(client, "GPU") == [names["gpu-0"]]
             task = make_task(make_dag("matmul", 32, 32, 32))

@@ -13,13 +13,21 @@ import sys
 import threading
 import time
 
+import dask
 import pytest
 from distributed import Client, LocalCluster, get_task_stream
 
 from tensortune.codegen.measure import BuildResult, LocalBuilder
 from tensortune.codegen.target import make_task
 from tensortune.codegen.timing import ErrorCode, TimingConfig
-from tensortune.flows.dask_cluster import ClusterError, connect, dask_client, local_resources, workers_with
+from tensortune.flows.dask_cluster import (
+    ClusterError,
+    cluster_workers,
+    connect,
+    dask_client,
+    local_resources,
+    workers_with,
+)
 from tensortune.flows.dask_measure import DaskMeasurer
 from tensortune.schedule.state import State
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
@@ -115,11 +123,22 @@ def test_cuda_builds_need_a_worker_with_nvcc():
 def test_the_embedded_cluster_is_one_measure_node_without_the_stack_sampler():
     import dask
     with dask_client() as client:
-        (info,) = client.scheduler_info(n_workers=-1)["workers"].values()
+        (info,) = cluster_workers(client).values()
         assert info["resources"] == local_resources() and info["nthreads"] == (os.cpu_count() or 1)
         flags = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
         assert list(flags.values()) == [False]
     assert dask.config.get("distributed.worker.profile.enabled") is True   # only the workers' config
+
+
+def test_the_workers_are_asked_of_the_scheduler_not_read_from_a_cache_the_client_refreshes():
+    """`client.scheduler_info(n_workers=-1)` reads the client's cached identity after updating it; the
+    client's periodic refresh (every 2 s, here every 5 ms) may overwrite it between the two with one that
+    lists no workers. `cluster_workers` asks the scheduler and keeps the answer."""
+    with dask.config.set({"distributed.client.scheduler-info-interval": "5ms"}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as lc, \
+            Client(lc, set_as_default=False) as client:
+        client.wait_for_workers(2)
+        assert all(len(cluster_workers(client)) == 2 for _ in range(1000))
 
 
 def _free_port() -> int:

@@ -16,7 +16,7 @@ from prefect import flow
 
 from tensortune.codegen.target import make_task
 from tensortune.codegen.timing import TimingConfig
-from tensortune.flows.dask_cluster import CPU_RESOURCE, workers_with
+from tensortune.flows.dask_cluster import CPU_RESOURCE, cluster_workers, workers_with
 from tensortune.flows.dask_measure import DaskMeasurer
 from tensortune.flows.tune_flow import tune_tasks
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
@@ -44,9 +44,9 @@ def two_nodes():
                  _worker(cluster.scheduler_address, "127.0.0.2", [])]
         try:
             deadline = time.monotonic() + 120
-            while len(client.scheduler_info(n_workers=-1)["workers"]) < 2 and time.monotonic() < deadline:
+            while len(cluster_workers(client)) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
-            workers = client.scheduler_info(n_workers=-1)["workers"]
+            workers = cluster_workers(client)
             assert len(workers) == 2, "the workers did not join within 120 s"
             (timer,) = workers_with(client, CPU_RESOURCE)
             (builder,) = set(workers) - {timer}

@@ -15,7 +15,7 @@ from distributed import Client, LocalCluster, get_task_stream
 
 from tensortune.codegen.target import make_task, parse_target
 from tensortune.codegen.timing import TimingConfig
-from tensortune.flows.dask_cluster import CPU_RESOURCE, ClusterError, workers_with
+from tensortune.flows.dask_cluster import CPU_RESOURCE, ClusterError, cluster_workers, workers_with
 from tensortune.flows.dask_measure import DaskMeasurer
 from tensortune.flows.measure_targets import TARGET_ENV, resolve_measure_target
 from tensortune.flows.measure_targets import measure_node_targets as node_targets
@@ -62,7 +62,7 @@ def test_two_nodes_of_different_cpus_on_a_real_cluster():
             deadline = time.monotonic() + 120
             while len(workers_with(client, CPU_RESOURCE)) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
-            names = {info["name"]: addr for addr, info in client.scheduler_info(n_workers=-1)["workers"].items()}
+            names = {info["name"]: addr for addr, info in cluster_workers(client).items()}
             assert set(names) == {"here", "other"}, "the workers did not join within 120 s"
             reported = node_targets(client)
             assert parse_target(reported[names["here"]]).cpu == HOST.cpu
