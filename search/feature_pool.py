@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import zlib
-from concurrent.futures import Future
 from typing import Sequence
 
 import numpy as np
@@ -26,7 +25,7 @@ from tensortune.schedule.program import Program
 from tensortune.schedule.state import State
 from tensortune.search.feature import FeatureExtractor
 from tensortune.search.feature_parts import Part
-from tensortune.search.helper_pool import HelperPool, callers_share
+from tensortune.search.helper_pool import HelperPool, run_shares
 from tensortune.search.memory import paused_gc
 from tensortune.tasks.search_task import SearchTask
 
@@ -54,21 +53,16 @@ class Featurizer:
         shares: list[list[tuple[str, list[tuple[int, Part]]]]] = [[] for _ in range(ways)]
         for key, members in groups:
             shares[zlib.crc32(key.encode()) % ways].append((key, members))
-        pending: list[tuple[int, list, Future | None]] = []
-        for worker in range(1, ways):
-            if shares[worker]:
-                jobs = [(key, _steps_json(states[members[0][0]]), members[0][1], ex.numbers(states, members))
-                        for key, members in shares[worker]]
-                future = self.helpers.submit(worker - 1, _extract, task.workload_key, task.to_json(), jobs)
-                pending.append((worker, shares[worker], future))
+        task_json = task.to_json() if ways > 1 else ""
+
+        def job(share: list[tuple[str, list[tuple[int, Part]]]]) -> tuple:
+            return _extract, (task.workload_key, task_json,
+                              [(key, _steps_json(states[members[0][0]]), members[0][1], ex.numbers(states, members))
+                               for key, members in share])
+        blocks = run_shares(self.helpers, shares, lambda i: i - 1 if i and shares[i] else None, job,
+                            lambda share: [ex.evaluate_members(key, states, members) for key, members in share])
         out, starts = ex.rows(states, np.float32)
-        with callers_share(bool(pending)):
-            for key, members in shares[0]:
-                ex.place(out, starts, members, ex.evaluate_members(key, states, members))
-        for worker, share, future in pending:
-            feats = self.helpers.result(worker - 1, future)
-            if feats is None:
-                feats = [ex.evaluate_members(key, states, members) for key, members in share]
+        for share, feats in zip(shares, blocks):
             for (key, members), block in zip(share, feats):
                 ex.place(out, starts, members, block)
         return ex.split(out, starts)

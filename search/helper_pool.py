@@ -23,7 +23,8 @@ own share. At Python's default switch interval (5 ms) each step waited that long
 share tens of ms late and 64 kernel identities took 0.09-0.14 s on two processes where one took 0.13
 (2-vCPU Xeon VM); callers therefore compute their share inside `callers_share()`, which shortens the
 interval (0.07 s then; sampling, which shares the same way, 6.6-6.8 s against 7.0-7.6 s of the 19
-proposals of `bench search` at 224²).
+proposals of `bench search` at 224²). `run_shares` holds that pattern (send the helpers' shares, compute
+this process's, collect theirs or compute them here) for every caller.
 """
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ import time
 import weakref
 from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 log = logging.getLogger("tensortune.search")
+
+S = TypeVar("S")
+R = TypeVar("R")
 
 MAX_PROCESSES = 7
 # the GIL switch interval while a caller computes its share (the executor's threads send the helpers'
@@ -71,6 +75,32 @@ def callers_share(shared: bool = True) -> Iterator[None]:
             _sharing[0] -= 1
             if _sharing[0] == 0:
                 sys.setswitchinterval(_sharing[1])
+
+
+def run_shares(pool: "HelperPool | None", shares: Sequence[S], helper_of: Callable[[int], int | None],
+               job: Callable[[S], tuple[Callable[..., Any], tuple]], here: Callable[[S], R]) -> list[R]:
+    """Each share's result, in order. Share i goes to helper `helper_of(i)` as `fn(*args)` for `(fn, args)
+    = job(share)` (None: this process's); this process computes its own shares meanwhile, inside
+    `callers_share`, then each helper's share that did not come back (a dead helper, no helpers) with
+    `here(share)`: the same result either way, which is what lets every caller deal its work out by
+    whatever rule keeps each helper's state warm (features: a hash of the structure; sampling: the
+    seed's index; kernel identities: contiguous runs)."""
+    pending: dict[int, tuple[int, Future | None]] = {}
+    if pool is not None:
+        for i, share in enumerate(shares):
+            n = helper_of(i)
+            if n is not None and n < pool.processes:
+                fn, args = job(share)
+                pending[i] = (n, pool.submit(n, fn, *args))
+    out: dict[int, R] = {}
+    with callers_share(bool(pending)):
+        for i, share in enumerate(shares):
+            if i not in pending:
+                out[i] = here(share)
+    for i, (n, future) in pending.items():
+        got = pool.result(n, future) if pool is not None else None
+        out[i] = got if got is not None else here(shares[i])
+    return [out[i] for i in range(len(shares))]
 
 
 def default_processes() -> int:

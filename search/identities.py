@@ -19,7 +19,7 @@ from typing import Protocol
 from tensortune.schedule.state import State
 from tensortune.schedule.steps import Step
 from tensortune.search.candidate import Candidate
-from tensortune.search.helper_pool import HelperPool, callers_share
+from tensortune.search.helper_pool import HelperPool, run_shares
 from tensortune.search.memory import paused_gc
 from tensortune.tasks.compute_dag import ComputeDAG
 from tensortune.tasks.search_task import SearchTask
@@ -54,17 +54,10 @@ class Identities:
         ways = helpers.processes + 1 if helpers is not None and self._ships and len(cands) >= MIN_SHARED else 1
         size = -(-len(cands) // ways)
         shares = [cands[i:i + size] for i in range(0, len(cands), size)] or [[]]
-        pending = []
-        if helpers is not None:
-            for n, share in enumerate(shares[1:]):
-                future = helpers.submit(n, _identify_in_helper, self._key, self.identity, [c.steps for c in share])
-                pending.append((n, share, future))
-        with callers_share(bool(pending)):
-            out = [_kernel(self.identity, c.dag, c.steps, c) for c in shares[0]]
-        for n, share, future in pending:
-            got = helpers.result(n, future) if helpers is not None else None
-            out += got if got is not None else [_kernel(self.identity, c.dag, c.steps, c) for c in share]
-        return out
+        kernels = run_shares(helpers, shares, lambda i: i - 1 if i else None,
+                             lambda share: (_identify_in_helper, (self._key, self.identity, [c.steps for c in share])),
+                             lambda share: [_kernel(self.identity, c.dag, c.steps, c) for c in share])
+        return [k for share in kernels for k in share]
 
 
 def _kernel(identity: KernelIdentity, dag: ComputeDAG, steps: tuple[Step, ...], cand: Candidate | None = None

@@ -23,7 +23,7 @@ from tensortune.schedule.state import State
 from tensortune.schedule.steps import Step
 from tensortune.search.annotation import InvalidSample, sample_state
 from tensortune.search.gpu_annotation import sample_gpu_state
-from tensortune.search.helper_pool import HelperPool, callers_share
+from tensortune.search.helper_pool import HelperPool, run_shares
 from tensortune.search.memory import paused_gc
 from tensortune.search.params import SearchParams
 from tensortune.search.sketch_rules import Sketch
@@ -89,24 +89,12 @@ class SketchDraws:
     def draw(self, seeds: list[int], count: int, helpers: HelperPool | None) -> Drawn:
         """`count` programs per seed (fewer where draws keep failing), in seed order."""
         ways = helpers.processes + 1 if helpers is not None and count * len(seeds) >= MIN_SHARED else 1
-        pending = []
-        if helpers is not None and ways > 1:
-            specs, key = self._shipped()
-            task_json = self.task.to_json()
-            for i, seed in enumerate(seeds):
-                if i % ways:
-                    future = helpers.submit(i % ways - 1, _draw_in_helper, task_json, key, specs, self.params,
-                                            seed, count)
-                    pending.append((i, future))
-        shares: list[Drawn] = [[] for _ in seeds]
-        with callers_share(bool(pending)):
-            for i, seed in enumerate(seeds):
-                if i % ways == 0:
-                    shares[i] = list(draw_share(self.task, self.sketches, self.params, seed, count))
-        for i, future in pending:
-            got = helpers.result(i % ways - 1, future) if helpers is not None else None
-            shares[i] = got if got is not None else list(draw_share(self.task, self.sketches, self.params,
-                                                                     seeds[i], count))
+        task_json, (specs, key) = (self.task.to_json(), self._shipped()) if ways > 1 else ("", ((), ""))
+
+        def job(seed: int) -> tuple:
+            return _draw_in_helper, (task_json, key, specs, self.params, seed, count)
+        shares = run_shares(helpers, seeds, lambda i: i % ways - 1 if i % ways else None, job,
+                            lambda seed: list(draw_share(self.task, self.sketches, self.params, seed, count)))
         return [x for share in shares for x in share]
 
     def _shipped(self) -> tuple[tuple[SketchSpec, ...], str]:

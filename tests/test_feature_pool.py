@@ -216,3 +216,36 @@ def test_the_callers_share_hands_the_gil_over_quickly_and_restores_the_interval(
     assert sys.getswitchinterval() == before
     with callers_share(False):
         assert sys.getswitchinterval() == before
+
+
+
+def _tenfold_in(share: int) -> tuple[int, int]:
+    if share == 4:
+        raise ValueError("a bug in the helper's job")
+    return share * 10, os.getpid()
+
+
+def test_run_shares_keeps_order_and_computes_here_what_no_helper_returned():
+    """Shares dealt to the helper come back from it and the others are computed here, inside the caller's
+    share (the switch interval short while the helper's job is in flight), all in the shares' order; a
+    share whose job failed in the helper is computed here, and without a pool every share is."""
+    from tensortune.search.helper_pool import HelperPool, run_shares
+    seen_short: list[bool] = []
+
+    def here(share: int) -> tuple[int, int]:
+        seen_short.append(sys.getswitchinterval() == pytest.approx(SHARING_SWITCH_INTERVAL))
+        return share * 10, os.getpid()
+
+    def deal(pool: HelperPool | None) -> list[tuple[int, int]]:
+        return run_shares(pool, [1, 2, 3, 4], lambda i: 0 if i % 2 else None, lambda s: (_tenfold_in, (s,)), here)
+
+    pool = HelperPool(1)
+    try:
+        got = deal(pool)
+    finally:
+        pool.close()
+    me = os.getpid()
+    assert [v for v, _ in got] == [10, 20, 30, 40]
+    assert got[1][1] != me and [pid for _, pid in (got[0], got[2], got[3])] == [me] * 3
+    assert seen_short == [True, True, False]          # the failed share was computed after the caller's own
+    assert deal(None) == [(10, me), (20, me), (30, me), (40, me)]
