@@ -37,6 +37,20 @@ EXPECTED_FAIL = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compile_each_kernel_once():
+    """Each distinct kernel compiled once for the module: ONNX's cases repeat their graphs (an op's
+    `_expanded` twin, the attention cases' common softmax and matmuls), so their 2 000 kernels are a few
+    hundred distinct LLVM modules, and compiling each again cost 60 of the node cases' 80 s. Every kernel
+    is still LLVM's own object code, run on the case's inputs; only a repeat compilation is skipped."""
+    from functools import lru_cache
+
+    from tensortune.codegen import llvm_backend
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llvm_backend, "compile_ir", lru_cache(maxsize=None)(llvm_backend.compile_ir))
+        yield
+
+
 def _cases(suite: str) -> list[str]:
     return sorted(p.name for p in (DATA / suite).iterdir() if (p / "model.onnx").exists())
 
