@@ -285,8 +285,15 @@ class SketchPolicy:
 
     def preload(self, cands: list[Candidate], costs: list[float], kernels: list[str] | None = None) -> None:
         """Resume: measurements from the history count as measured (and seed the population); `kernels`:
-        their records' kernels ("" where a record names none: lowered here, if the policy has an identity)."""
-        for c, cost, kernel in zip(cands, costs, kernels or [""] * len(cands)):
+        their records' kernels ("" where a record names none, as in stores written before records kept
+        them: lowered in one call, so on the helpers too, if the policy has an identity)."""
+        kernels = list(kernels or [""] * len(cands))
+        unnamed = [i for i, k in enumerate(kernels)
+                   if not k and cands[i].key not in self.measured and cands[i].key not in self.in_flight]
+        if unnamed and self.identities is not None:
+            for i, kernel in zip(unnamed, self._kernels([cands[i] for i in unnamed])):
+                kernels[i] = kernel or ""
+        for c, cost, kernel in zip(cands, costs, kernels):
             self._note(c, cost, kernel)
 
     def _note(self, c: Candidate, cost: float, kernel: str = "") -> None:

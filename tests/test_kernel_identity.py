@@ -139,8 +139,12 @@ def test_records_name_their_kernels_and_a_resumed_search_lowers_none_of_them(tmp
 
     assert (bare.records_of(task.workload_key)["kernel"] == "").all()
     counted = _Counted(identity)
-    resume_policy(SketchPolicy(task, seed=5, kernel_identity=counted), bare)
-    assert counted.calls == 6                                             # lowered once each, at resume
+    policy = SketchPolicy(task, seed=5, kernel_identity=counted)
+    asked: list[int] = []
+    ask = policy.identities
+    policy.identities = lambda cands, helpers=None: asked.append(len(cands)) or ask(cands, helpers)  # type: ignore
+    resume_policy(policy, bare)
+    assert counted.calls == 6 and asked == [6]          # lowered once each, at resume, in one call (helpers too)
     for steps in list(frame["steps"][:2]) + [programs[0].steps_json]:
         check_state(State.from_json(task.dag, steps))
 
