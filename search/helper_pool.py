@@ -77,7 +77,7 @@ def callers_share(shared: bool = True) -> Iterator[None]:
                 sys.setswitchinterval(_sharing[1])
 
 
-def run_shares(pool: "HelperPool | None", shares: Sequence[S], helper_of: Callable[[int], int | None],
+def run_shares(pool: HelperPool | None, shares: Sequence[S], helper_of: Callable[[int], int | None],
                job: Callable[[S], tuple[Callable[..., Any], tuple]], here: Callable[[S], R]) -> list[R]:
     """Each share's result, in order. Share i goes to helper `helper_of(i)` as `fn(*args)` for `(fn, args)
     = job(share)` (None: this process's); this process computes its own shares meanwhile, inside

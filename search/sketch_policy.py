@@ -288,19 +288,22 @@ class SketchPolicy:
         their records' kernels ("" where a record names none, as in stores written before records kept
         them: lowered in one call, so on the helpers too, if the policy has an identity)."""
         kernels = list(kernels or [""] * len(cands))
-        unnamed = [i for i, k in enumerate(kernels)
-                   if not k and cands[i].key not in self.measured and cands[i].key not in self.in_flight]
+        unnamed = [i for i, k in enumerate(kernels) if not k and self._kernel_untaken(cands[i])]
         if unnamed and self.identities is not None:
             for i, kernel in zip(unnamed, self._kernels([cands[i] for i in unnamed])):
                 kernels[i] = kernel or ""
         for c, cost, kernel in zip(cands, costs, kernels):
             self._note(c, cost, kernel)
 
+    def _kernel_untaken(self, c: Candidate) -> bool:
+        """c was neither picked here (its kernel taken then) nor measured before: a stored record
+        (resume) or a program the caller chose, whose kernel `_note` takes."""
+        return c.key not in self.in_flight and c.key not in self.measured
+
     def _note(self, c: Candidate, cost: float, kernel: str = "") -> None:
-        if c.key in self.in_flight:
-            del self.in_flight[c.key]           # picked here: its kernel was taken then
-        elif c.key not in self.measured:
-            self._take_kernel(c, kernel)        # a stored record (resume) or a program the caller chose
+        if self._kernel_untaken(c):
+            self._take_kernel(c, kernel)
+        self.in_flight.pop(c.key, None)
         # a task without FLOPs (a transpose, a copy) counts one operation per run, so its programs rank
         # by time like any other's: counted as 0 GFLOP/s, none was ever its best, and the network ran its
         # default schedule whatever the search had measured

@@ -218,7 +218,6 @@ def test_the_callers_share_hands_the_gil_over_quickly_and_restores_the_interval(
         assert sys.getswitchinterval() == before
 
 
-
 def _tenfold_in(share: int) -> tuple[int, int]:
     if share == 4:
         raise ValueError("a bug in the helper's job")
