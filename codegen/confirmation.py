@@ -14,6 +14,11 @@ then holds one selected, possibly lucky draw among `timings` + 1, and a program 
 usually no longer beats the best. The re-timings are part of the program's one record (never a second
 record, never a rewritten one): they happen before anything is stored.
 
+Under interleaved passes (codegen.timing.OPERATOR_TIMING) a program's figure is its fastest timing, and
+re-timings join its passes: they can no longer outvote a lucky draw, only confirm that the program
+still runs and answers right. Warm timings there have no lucky draws to outvote: the machine only
+ever slows a kernel down.
+
 Only programs that would move the best are re-timed, a few a round, so the cost is small against the
 round's own timings. This file needs nothing but the Measurer protocol: the local measurer and the
 cluster's time the confirmations as they time everything else.
@@ -52,9 +57,9 @@ def confirm_new_bests(measurer: Measurer, task: SearchTask, steps_list: Sequence
     spent: Any = getattr(measurer, "stats", None)
     confirmed: set[int] = set()
     for _ in range(passes):
-        current = min([best] + [out[k].mean for k in confirmed])
-        todo = sorted((k for k, r in enumerate(out) if r.ok and k not in confirmed and r.mean < current),
-                      key=lambda k: out[k].mean)[:per_pass]
+        current = min([best] + [out[k].latency for k in confirmed])
+        todo = sorted((k for k, r in enumerate(out) if r.ok and k not in confirmed and r.latency < current),
+                      key=lambda k: out[k].latency)[:per_pass]
         if not todo:
             break
         try:

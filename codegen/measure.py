@@ -17,7 +17,7 @@ import numpy as np
 
 from tensortune.codegen.artifact import Artifact
 from tensortune.codegen.recent_builds import RecentBuilds
-from tensortune.codegen.timing import ErrorCode, TimingConfig, reference_file
+from tensortune.codegen.timing import LATER_PASSES_WITHIN, OPERATOR_TIMING, ErrorCode, TimingConfig, reference_file
 from tensortune.codegen.worker_pool import JobResult, WorkerPool
 from tensortune.tasks.search_task import SearchTask
 
@@ -32,17 +32,22 @@ class BuildResult:
 
 @dataclass
 class MeasureResult:
-    costs: list[float]            # seconds per run, one entry per repeat
+    costs: list[float]            # seconds per run, one entry per repeat (of every pass)
     error_code: int
     error_msg: str = ""
     build_seconds: float = 0.0
     run_seconds: float = 0.0
     timestamp: float = field(default_factory=time.time)
     host: str = field(default_factory=socket.gethostname)
+    fastest: bool = False         # the figure is the fastest cost (interleaved passes), not their mean
 
     @property
-    def mean(self) -> float:
-        return float(np.mean(self.costs)) if self.costs and self.error_code == 0 else math.inf
+    def latency(self) -> float:
+        """The program's figure, which records store and the search ranks by: the mean of its repeats
+        (TVM's), or the fastest of them when they are interleaved passes (TimingConfig.passes)."""
+        if not self.costs or self.error_code != 0:
+            return math.inf
+        return float(min(self.costs)) if self.fastest else float(np.mean(self.costs))
 
     @property
     def ok(self) -> bool:
@@ -116,7 +121,7 @@ class LocalBuilder:
 class LocalRunner:
     """Times artifacts one at a time (measurements must not share the machine) in a long-lived process."""
 
-    def __init__(self, timeout: float = 10.0, config: TimingConfig = TimingConfig(), n_parallel: int = 1,
+    def __init__(self, timeout: float = 10.0, config: TimingConfig = OPERATOR_TIMING, n_parallel: int = 1,
                  env: dict | None = None):
         """env: extra environment for the runner processes. A kernel's thread count is its target's,
         compiled in: OMP_NUM_THREADS here cannot change it (name `-num-threads` in the target instead)."""
@@ -124,20 +129,31 @@ class LocalRunner:
         self.pool = WorkerPool("tensortune.codegen.measure:run_job", n_parallel, timeout, env)
 
     def run(self, task: SearchTask, builds: Sequence[BuildResult]) -> list[MeasureResult]:
+        """Time every built program, `config.passes` times over: each pass times, in the batch's order,
+        the programs that have not failed and are within LATER_PASSES_WITHIN of the batch's fastest so
+        far, so a slow spell of the machine falls on one pass of a program rather than on all its
+        timings, and a slow program (whose one run may fill a pass) is timed once. The first pass checks
+        the outputs; a later one that fails makes the program's result that failure (its timings
+        kept), as a re-timing does (codegen.confirmation): a kernel that crashes when run again is no best."""
         tj = task.to_json()
-        todo = [i for i, b in enumerate(builds) if b.artifact is not None]
         cfg = self.config
-        if cfg.check_correctness and todo:
-            cfg = replace(cfg, reference=reference_file(task))
-        results = self.pool.map([(tj, builds[i].artifact, cfg) for i in todo])
-        out = [MeasureResult([], b.error_code, b.error_msg, b.seconds) for b in builds]
-        for i, r in zip(todo, results):
-            if r.ok:
-                costs, code, msg = r.value
-                out[i] = MeasureResult(costs, code, msg, builds[i].seconds, r.seconds)
-            else:
-                code, msg = _error_of(r, ErrorCode.RUNTIME_DEVICE, ErrorCode.RUN_TIMEOUT)
-                out[i] = MeasureResult([], code, msg, builds[i].seconds, r.seconds)
+        passes = max(1, cfg.passes)
+        out = [MeasureResult([], b.error_code, b.error_msg, b.seconds, fastest=passes > 1) for b in builds]
+        todo = [i for i, b in enumerate(builds) if b.artifact is not None]
+        per_pass = replace(cfg, min_repeat_ms=cfg.min_repeat_ms / passes)
+        checked = replace(per_pass, reference=reference_file(task)) if cfg.check_correctness and todo else per_pass
+        for n in range(passes):
+            results = self.pool.map([(tj, builds[i].artifact, checked if n == 0 else
+                                      replace(per_pass, check_correctness=False)) for i in todo])
+            for i, r in zip(todo, results):
+                if r.ok:
+                    costs, code, msg = r.value
+                else:
+                    costs, (code, msg) = [], _error_of(r, ErrorCode.RUNTIME_DEVICE, ErrorCode.RUN_TIMEOUT)
+                out[i] = replace(out[i], costs=out[i].costs + list(costs), error_code=code, error_msg=msg,
+                                 run_seconds=out[i].run_seconds + r.seconds)
+            fastest = min((out[i].latency for i in todo), default=math.inf)
+            todo = [i for i in todo if out[i].ok and out[i].latency <= LATER_PASSES_WITHIN * fastest]
         return out
 
     def close(self) -> None:

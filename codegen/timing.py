@@ -53,6 +53,9 @@ class TimingConfig:
     # untimed flush-and-run cycles before the cold timed runs (flush_cache): a network's kernel meets its
     # data as a steady state of many runs leaves it, not as a first run does (COLD_WARMUP below)
     cold_warmup: int = 0
+    # times a runner times its whole batch, every program once a pass (codegen.measure.LocalRunner), each
+    # pass with min_repeat_ms / passes; a program's figure is then its fastest pass (OPERATOR_TIMING)
+    passes: int = 1
 
 
 # How network tuning times a kernel: each run with the CPU caches flushed first (TVM's
@@ -88,6 +91,25 @@ COLD_WARMUP = 12               # cycles at most; fewer once SETTLED_RUNS in a ro
 SETTLED = 0.95                 # this fraction of the fastest cycle so far
 SETTLED_RUNS = 2
 NETWORK_TIMING = TimingConfig(number=3, repeat=1, flush_cache=True, cold_warmup=COLD_WARMUP)
+
+
+# How a single operator is timed warm (the library's tune_task, `python -m bench tune`): the batch four
+# times over, 25 ms a program a pass, the fastest pass counting. This VM's slow spells are one-sided (a
+# program timed twelve times in a row read 100 GFLOP/s three times, then 211 nine times) and last longer
+# than a timing, so one 100 ms timing a program put its figure 6-12 % (log sd) from the next one's,
+# and ranked the batch as the next one did in 80-87 % of pairs; four interleaved passes of 25 ms, 2-5 %
+# and 83-92 %, in the same time (the 64 programs of a batch in 11-12 s either way): five comparisons
+# of 60-64 ResNet-18 conv programs of two histories, 4-6 timings each (Zen 4 VM, 2026-11-28;
+# docs/performance.md, "Timings that agree"). The passes' mean or median did no better than one timing:
+# a slow spell is not noise around the kernel's figure, it is not the kernel. Cold network timing keeps
+# one pass: its noise is another (DRAM and the flush), and its protocol was calibrated against the
+# measured network.
+OPERATOR_TIMING = TimingConfig(passes=4)
+# Passes after the first time only the programs within this factor of the batch's fastest: a slow
+# program's ranking against the fast ones is not in doubt, and its one run can fill a pass (a batch of
+# 64 matmul programs took 57 s in four passes where one pass took 20). The slow spells seen here cost
+# a kernel up to 2.1 times its time (once 5 times).
+LATER_PASSES_WITHIN = 2.0
 
 
 MAX_NUMBER = 1_000_000          # runs in one repeat, at most

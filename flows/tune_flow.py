@@ -299,7 +299,7 @@ def measure_batch(s: Session, i: int, batch: Proposal, label: str,
         time.perf_counter() - t1))
     for c, r in zip(batch.candidates, results):
         if c.steps_json == s.tuner.default_steps[i] and r.ok:
-            s.default_latency[i] = r.mean
+            s.default_latency[i] = r.latency
     n = len(batch.candidates)
     errors = sum(1 for r in results if not r.ok)
     best = s.best_latency(i)

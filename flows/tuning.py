@@ -96,7 +96,7 @@ def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureRe
             workload_key=task.workload_key, target=task.target, steps=c.steps_json,
             kernel=kernels[i] if kernels is not None else "", flow_run_id=flow_run_id,
             round=round_, task_name=task.name, task_label=task.label, network=network, latencies=list(r.costs),
-            mean_latency=r.mean, error_code=int(r.error_code), error_msg=r.error_msg[:2000],
+            mean_latency=r.latency, error_code=int(r.error_code), error_msg=r.error_msg[:2000],
             build_seconds=r.build_seconds, run_seconds=r.run_seconds, model_version=model_version,
             predicted_score=float(scores[i]) if scores is not None else math.nan, flops=task.flops, host=r.host,
             num_threads=task.hardware.num_cores if task.target_kind == "llvm" else 0))
@@ -144,7 +144,7 @@ def learn(policy: SketchPolicy, batch: list[Candidate], results: list[MeasureRes
                                   network=network, model_version=policy.model.version, scores=scores,
                                   kernels=[policy.kernel_of(c) for c in batch]))
         remember_task(records, policy.task)
-    policy.update(batch, [r.mean for r in results])
+    policy.update(batch, [r.latency for r in results])
 
 
 _REMEMBERED: set[tuple[str, str]] = set()       # (store URL, workload key) this process has stored
@@ -235,10 +235,10 @@ def tune_task(task: SearchTask, trials: int, *, measurer: Measurer | None = None
                 break                         # the space is exhausted
             for c, r in zip(batch, results):
                 result.trials += 1
-                if r.ok and r.mean < result.best_latency:
-                    result.best_latency, result.best_steps = r.mean, c.steps_json
+                if r.ok and r.latency < result.best_latency:
+                    result.best_latency, result.best_steps = r.latency, c.steps_json
                 if r.ok:
-                    result.fastest.append((r.mean, c.steps_json))
+                    result.fastest.append((r.latency, c.steps_json))
                 result.curve.append((result.trials, result.best_gflops))
             result.fastest = sorted(result.fastest)[:FASTEST_KEPT]
             log.trials, log.best_gflops = result.trials, result.best_gflops
@@ -371,7 +371,7 @@ class NetworkTuner:
         policy, result = self.policies[i], self.result
         learn(policy, batch.candidates, results, batch.scores, records=self.records, round_=self.rounds,
               flow_run_id=self.flow_run_id, network=self.network_name)
-        self.sched.record(i, [r.mean for r in results], exhausted=not batch.candidates)
+        self.sched.record(i, [r.latency for r in results], exhausted=not batch.candidates)
         result.best_costs = list(self.sched.best_costs)
         result.best_steps[i] = policy.best[1].steps_json if policy.best else None
         result.decisions = list(self.sched.decisions)

@@ -65,7 +65,9 @@ class MeasureRecord:
     network: str = ""
     host: str = field(default_factory=socket.gethostname)
     latencies: list[float] = field(default_factory=list)  # seconds, one per repeat
-    mean_latency: float = math.nan  # seconds; inf/NaN for errors; mean of latencies when NaN
+    # seconds: the figure the run is ranked by (the mean of its latencies, or the fastest of interleaved
+    # passes: codegen.measure.MeasureResult.latency); inf/NaN for errors; mean of latencies when NaN
+    mean_latency: float = math.nan
     gflops: float = math.nan  # computed from flops and mean_latency when NaN
     error_code: int = 0  # 0 = NO_ERROR; TVM's MeasureErrorNo otherwise
     error_msg: str = ""

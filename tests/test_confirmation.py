@@ -50,10 +50,10 @@ def test_a_lucky_first_timing_is_outweighed_and_the_next_program_confirmed():
     stats_before = timings.stats = DaskStats(build_s=5.0)
     out = confirm_new_bests(timings, TASK, steps, first(5.0, 1.0, 3.0, 2.0), best=4.0)
     assert timings.calls == [["b", "b", "d", "d"]]          # the two fastest below the best, twice each
-    assert out[1].costs == [1.0, 6.0, 6.0] and out[1].mean == pytest.approx(13 / 3)
+    assert out[1].costs == [1.0, 6.0, 6.0] and out[1].latency == pytest.approx(13 / 3)
     assert out[3].costs == [2.0, 2.0, 2.0]
     assert [r.costs for r in (out[0], out[2])] == [[5.0], [3.0]]      # slower than the best: timed once
-    assert min(range(4), key=lambda k: out[k].mean) == 3
+    assert min(range(4), key=lambda k: out[k].latency) == 3
     assert timings.stats.build_s == stats_before.build_s + 1.0         # both calls' cost reported
 
 
@@ -63,7 +63,7 @@ def test_passes_go_on_until_the_fastest_result_is_confirmed():
     out = confirm_new_bests(timings, TASK, ["a", "b", "c", "e"], first(1.0, 2.0, 3.0, 7.0), best=10.0,
                             per_pass=1)
     assert timings.calls == [["a", "a"], ["b", "b"], ["c", "c"]]
-    assert min(range(4), key=lambda k: out[k].mean) == 2 and len(out[2].costs) == 3
+    assert min(range(4), key=lambda k: out[k].latency) == 2 and len(out[2].costs) == 3
 
 
 def test_a_program_that_fails_when_timed_again_is_no_best():
@@ -71,7 +71,7 @@ def test_a_program_that_fails_when_timed_again_is_no_best():
     out = confirm_new_bests(timings, TASK, ["a", "b"], first(1.0, 2.0), best=3.0)
     assert out[0].error_code == ErrorCode.RUNTIME_DEVICE and not out[0].ok
     assert "timed again" in out[0].error_msg and out[0].costs == [1.0, 1.0]
-    assert out[1].ok and out[1].mean == 2.0
+    assert out[1].ok and out[1].latency == 2.0
 
 
 def test_a_measurer_that_fails_while_timing_again_costs_no_result():

@@ -95,7 +95,7 @@ def test_the_search_never_measures_one_kernel_twice(with_identity):
             twins += policy.timing.n_twins
             results = measurer.measure(task, [c.steps_json for c in batch])
             assert all(r.ok for r in results), [r.error_msg for r in results if not r.ok]
-            policy.update(batch, [r.mean for r in results])
+            policy.update(batch, [r.latency for r in results])
             kernels += [identity(c.state) for c in batch]
     for c in list(policy.measured_cands.values())[:4]:
         check_state(c.state)

@@ -9,7 +9,7 @@ import pytest
 from tensortune.codegen import timing
 from tensortune.codegen.artifact import Artifact
 from tensortune.codegen.llvm_backend import cold_start, compile_ir, pool_waker
-from tensortune.codegen.measure import BuildResult, LocalBuilder, LocalRunner, ProgramMeasurer
+from tensortune.codegen.measure import BuildResult, LocalBuilder, LocalRunner, MeasureResult, ProgramMeasurer
 from tensortune.codegen.target import make_task, parse_target
 from tensortune.codegen.timing import NETWORK_TIMING, ErrorCode, TimingConfig, time_runs
 from tensortune.schedule.state import State
@@ -84,13 +84,42 @@ def test_crash_and_hang_cost_one_result_each(task, runner):
     assert runner.pool.restarts == restarts + 2
     (after_hang,) = runner.run(task, [good_build])                # by the hung runner's replacement
     for r in (after_crash, after_hang):
-        assert r.error_code == ErrorCode.NO_ERROR and 0 < r.mean < 1.0, r.error_msg
+        assert r.error_code == ErrorCode.NO_ERROR and 0 < r.latency < 1.0, r.error_msg
     assert runner.pool.restarts == restarts + 2
 
 
 def test_wrong_answer_is_detected(task, runner):
     (res,) = runner.run(task, [BuildResult(_artifact(NOTHING, task.dag), 0, "", 0.0)])
     assert res.error_code == ErrorCode.WRONG_ANSWER and "elements differ" in res.error_msg
+
+
+def test_interleaved_passes_time_every_program_each_pass_and_keep_the_fastest(task):
+    good = State(task.dag).split("C", 1, [16]).vectorize("C", 2)
+    plain = State(task.dag)
+    builder = LocalBuilder(n_parallel=1)
+    try:
+        builds = builder.build(task, [good.steps_json(), plain.steps_json()])
+    finally:
+        builder.close()
+    wrong = BuildResult(_artifact(NOTHING, task.dag), 0, "", 0.0)
+    failed = BuildResult(None, int(ErrorCode.COMPILE_HOST), "no object", 0.0)
+    runner = LocalRunner(timeout=PATIENT_S, config=TimingConfig(min_repeat_ms=6, passes=3))
+    try:
+        a, w, b, f = runner.run(task, [builds[0], wrong, builds[1], failed])
+    finally:
+        runner.close()
+    for r in (a, b):                 # one repeat a pass: later passes only within 2x of the fastest
+        assert r.ok and r.fastest and 1 <= len(r.costs) <= 3, r.error_msg
+        assert r.latency == min(r.costs) <= float(np.mean(r.costs))
+    assert len(min(a, b, key=lambda r: r.latency).costs) == 3      # the fastest is timed in every pass
+    assert w.error_code == ErrorCode.WRONG_ANSWER and w.costs == [] and w.latency == float("inf")
+    assert f.error_code == ErrorCode.COMPILE_HOST and f.costs == [] and f.run_seconds == 0.0
+
+
+def test_a_result_of_one_pass_is_the_mean_of_its_repeats():
+    assert MeasureResult([1.0, 2.0, 6.0], 0).latency == 3.0
+    assert MeasureResult([1.0, 2.0, 6.0], 0, fastest=True).latency == 1.0
+    assert MeasureResult([1.0], int(ErrorCode.RUNTIME_DEVICE), fastest=True).latency == float("inf")
 
 
 def test_bad_steps_are_instantiation_errors(task):

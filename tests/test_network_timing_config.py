@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from tensortune.codegen.measure import LocalRunner
+from tensortune.codegen.measure import LocalRunner, ProgramMeasurer
 from tensortune.codegen.network_runtime import touched_bytes
-from tensortune.codegen.timing import FLUSH_BYTES, NETWORK_TIMING, TimingConfig
+from tensortune.codegen.timing import FLUSH_BYTES, NETWORK_TIMING, OPERATOR_TIMING, TimingConfig
 from tensortune.flows.tune_flow import timing_options
 from tensortune.flows.tuning import network_measurer, network_timing
 from tensortune.tasks.extract import extract_tasks
@@ -59,3 +59,16 @@ def test_network_tuning_flushes_as_many_bytes_as_the_network_touches():
 
 def test_single_operator_tuning_stays_warm():
     assert not LocalRunner().config.flush_cache and TimingConfig() != NETWORK_TIMING
+
+
+def test_single_operators_are_timed_in_interleaved_passes_and_networks_in_one():
+    """The library's measurer times a batch in four passes, the fastest counting (OPERATOR_TIMING);
+    network timing keeps its one calibrated cold pass, on the local measurer and in the flow."""
+    with ProgramMeasurer() as library:
+        assert library.runner.config == OPERATOR_TIMING and OPERATOR_TIMING.passes == 4
+    assert NETWORK_TIMING.passes == 1 and timing_options(None).config(NETWORK_TIMING).passes == 1
+    library = network_measurer(_embedding_network())
+    try:
+        assert library.runner.config.passes == 1
+    finally:
+        library.close()
