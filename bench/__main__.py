@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = ("codegen", "tune", "space", "network", "transfer", "storage", "pipeline", "ceiling", "search")
+SUITES = ("codegen", "tune", "space", "network", "transfer", "storage", "pipeline", "ceiling", "search", "timing")
 
 
 def main(argv: list[str]) -> int:

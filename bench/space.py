@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
                 for lo in range(0, args.programs, BATCH):
                     for programs, out in zip(drawn, timed):
                         for r in measurer.measure(task, [c.steps_json for c in programs[lo:lo + BATCH]]):
-                            out.append(task.flops / statistics.median(r.costs) / 1e9 if r.costs else 0.0)
+                            out.append(task.flops / r.latency / 1e9 if r.ok else 0.0)
                 for (label, _), gflops in zip(settings, timed):
                     rows.append({"workload": key, "params": label, **summary(gflops, peak)})
                     print(f"{key} [{label}]: best {rows[-1]['best_gflops']:.0f} GFLOP/s "
