@@ -96,14 +96,14 @@ NETWORK_TIMING = TimingConfig(number=3, repeat=1, flush_cache=True, cold_warmup=
 # How a single operator is timed warm (the library's tune_task, `python -m bench tune`): the batch four
 # times over, 25 ms a program a pass, the fastest pass counting. This VM's slow spells are one-sided (a
 # program timed twelve times in a row read 100 GFLOP/s three times, then 211 nine times) and last longer
-# than a timing, so one 100 ms timing a program put its figure 6-12 % (log sd) from the next one's,
-# and ranked the batch as the next one did in 80-87 % of pairs; four interleaved passes of 25 ms, 2-5 %
-# and 83-92 %, in the same time (the 64 programs of a batch in 11-12 s either way): five comparisons
-# of 60-64 ResNet-18 conv programs of two histories, 4-6 timings each (Zen 4 VM, 2026-11-28;
-# docs/performance.md, "Timings that agree"). The passes' mean or median did no better than one timing:
-# a slow spell is not noise around the kernel's figure, it is not the kernel. Cold network timing keeps
-# one pass: its noise is another (DRAM and the flush), and its protocol was calibrated against the
-# measured network.
+# than a timing, so one 100 ms timing a program ranked a batch of a search's conv programs as the
+# next one did in 80-87 % of pairs; four interleaved passes of 25 ms in 83-92 %, in about the same
+# time (8-13 s a batch of 64 either way); matmul programs 78-91 % against 86-95 %, 18-20 s a batch
+# against 21-23 (six and three comparisons, 4-6 timings each; Zen 4 VM, 2026-11-28;
+# `python -m bench timing`; docs/performance.md, "Timings that agree"). The passes' mean or median did
+# no better than one timing: a slow spell is not noise around the kernel's figure, it is not the
+# kernel. Cold network timing keeps one pass: its noise is another (DRAM and the flush), and its
+# protocol was calibrated against the measured network.
 OPERATOR_TIMING = TimingConfig(passes=4)
 # Passes after the first time only the programs within this factor of the batch's fastest: a slow
 # program's ranking against the fast ones is not in doubt, and its one run can fill a pass (a batch of
