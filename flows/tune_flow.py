@@ -100,6 +100,9 @@ class TimingOptions(BaseModel):
                                     "cold run (default: the network's footprint)")
     cold_warmup: int | None = Field(None, ge=0, description="untimed flush-and-run cycles before the cold runs, "
                                     "at most (they stop once the kernel no longer gets faster; 0: none)")
+    passes: int | None = Field(None, ge=1, description="timings of each candidate, the fastest counting (1: "
+                               "one); on a cluster a candidate's passes run back to back, not interleaved "
+                               "with the batch's as the library's runner does (codegen.timing.OPERATOR_TIMING)")
     build_timeout: float = Field(15.0, gt=0, description="seconds one candidate's build may take")
     run_timeout: float = Field(10.0, gt=0, description="seconds one candidate's timing may take")
 
