@@ -17,12 +17,11 @@ import argparse
 import random
 import sys
 import tempfile
-import time
 from itertools import combinations
 
 import numpy as np
 
-from bench.common import ensure_clean_blas_env, environment, limit_threads, print_table, write_json
+from bench.common import Stopwatch, ensure_clean_blas_env, environment, limit_threads, print_table, write_json
 from bench.tune import WORKLOADS, workload_task
 
 
@@ -89,9 +88,9 @@ def main(argv: list[str]) -> int:
             try:
                 for n in range(args.timings):
                     for name in (list(protocols) if n % 2 == 0 else list(protocols)[::-1]):
-                        t0 = time.perf_counter()
-                        timed[name].append(np.array([r.latency for r in runners[name].run(task, builds)]))
-                        spent[name] += time.perf_counter() - t0
+                        with Stopwatch() as watch:
+                            timed[name].append(np.array([r.latency for r in runners[name].run(task, builds)]))
+                        spent[name] += watch.seconds
             finally:
                 for runner in runners.values():
                     runner.close()
