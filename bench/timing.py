@@ -23,19 +23,16 @@ import numpy as np
 
 from bench.common import Stopwatch, ensure_clean_blas_env, environment, limit_threads, print_table, write_json
 from bench.tune import WORKLOADS, workload_task
-
-
-def agreement(a: np.ndarray, b: np.ndarray) -> float:
-    """The share of pairs (i, j) that two timings `a`, `b` of the same programs put in the same order."""
-    i, j = np.triu_indices(len(a), 1)
-    return float(np.mean(np.sign(a[i] - a[j]) == np.sign(b[i] - b[j])))
+from tensortune.search.cost_model import pairwise_accuracy
 
 
 def protocol_row(seconds: list[np.ndarray]) -> dict:
-    """How alike the timings (each one array of seconds, program by program) of one protocol are."""
-    pairs = [agreement(a, b) for a, b in combinations(seconds, 2)]
+    """How alike the timings (each one array of seconds, program by program) of one protocol are: the
+    share of program pairs two timings put in the same order is the cost model's pairwise accuracy of
+    one timing against the other."""
+    pairs = [pairwise_accuracy(a, b) for a, b in combinations(seconds, 2)]
     faster = np.argsort(np.median(seconds, axis=0))[:len(seconds[0]) // 2]
-    halves = [agreement(a[faster], b[faster]) for a, b in combinations(seconds, 2)]
+    halves = [pairwise_accuracy(a[faster], b[faster]) for a, b in combinations(seconds, 2)]
     logs = np.log(np.array(seconds))
     return {"agreement": float(np.mean(pairs)), "agreement_min": min(pairs), "agreement_max": max(pairs),
             "faster_half_agreement": float(np.mean(halves)),

@@ -142,9 +142,9 @@ class LocalRunner:
         todo = [i for i, b in enumerate(builds) if b.artifact is not None]
         per_pass = replace(cfg, min_repeat_ms=cfg.min_repeat_ms / passes)
         checked = replace(per_pass, reference=reference_file(task)) if cfg.check_correctness and todo else per_pass
+        unchecked = replace(per_pass, check_correctness=False)
         for n in range(passes):
-            results = self.pool.map([(tj, builds[i].artifact, checked if n == 0 else
-                                      replace(per_pass, check_correctness=False)) for i in todo])
+            results = self.pool.map([(tj, builds[i].artifact, checked if n == 0 else unchecked) for i in todo])
             for i, r in zip(todo, results):
                 if r.ok:
                     costs, code, msg = r.value

@@ -4,14 +4,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.timing import agreement, main, protocol_row
+from bench.timing import main, protocol_row
 
 
 def test_agreement_counts_the_pairs_two_timings_order_alike():
     a = np.array([1.0, 2.0, 3.0, 4.0])
-    assert agreement(a, a * 1.5) == 1.0
-    assert agreement(a, a[::-1]) == 0.0
-    assert agreement(a, np.array([1.0, 3.0, 2.0, 4.0])) == pytest.approx(5 / 6)   # one of six pairs swapped
+    assert protocol_row([a, a * 1.5])["agreement"] == 1.0
+    assert protocol_row([a, a[::-1]])["agreement"] == 0.0
+    assert protocol_row([a, np.array([1.0, 3.0, 2.0, 4.0])])["agreement"] == pytest.approx(5 / 6)   # 1 of 6 swapped
 
 
 def test_protocol_row_reads_the_faster_half_and_the_spread_of_each_program():
