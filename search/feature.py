@@ -12,11 +12,18 @@ together, as stacked arrays indexed by a plan made once (`_Batch`), in a fixed n
 Deviations from feature.cc, on purpose: index coefficients are exact linear coefficients (not the
 pattern-matched approximation), `lines` divides by the extents of the loops it skipped (feature.cc
 divides by the innermost extent each time), serial read-write reuse between an init and an update
-statement is not modelled, an attached stage's loops over a region of extent 1 are kept (TVM's
-lowering drops them, so num_loops differs there), and unique_lines takes each buffer's contiguous run
-from that buffer's own touched region (feature.cc reuses the region of the last buffer it visited).
-Integer op counts include the index arithmetic of each dimension as written; feature.cc counts it in
-the flattened index, so it counts more for a buffer of two or more dimensions.
+statement is not modelled, and unique_lines takes each buffer's contiguous run from that buffer's own
+touched region (feature.cc reuses the region of the last buffer it visited). Integer op counts include
+the index arithmetic of each dimension as written; feature.cc counts it in the flattened index, so it
+counts more for a buffer of two or more dimensions.
+
+A loop of extent 1 is no loop: TVM's lowering drops it before feature.cc sees the code, so an access's
+stride and reuse come from the innermost loops of extent > 1 in each program, and num_loops counts
+those. A structure fixes which loops there are, not their extents, so this is decided per program when
+a template is evaluated. Counting such loops (as this file did until 2026-11-28) gave a 1024³ matmul
+whose 32-row tile sits outside the reduction and its twin with the tile inside it one feature row,
+because a split of extent 1 sat innermost in both; they ran at 20 and 164 GFLOP/s. (Annotation
+features still count an annotated loop of extent 1.)
 
 A stage computed inside another one reads at the place its region starts, an expression of the
 enclosing loops (its readers' indices with their inner loops at 0), and its own buffer is indexed
@@ -304,16 +311,10 @@ class _Batch:
     atom_rows: np.ndarray        # the spans (rows of [A * D * (N + 1)]) non-linear index parts add to
     atom_matrix: np.ndarray | None   # [len(atom_rows), atoms]: how often each atom's width adds there
     eb_matrix: np.ndarray        # [S, A] element bytes of each store's accesses
-    stride_v: np.ndarray         # [A] V row of the innermost stride's coefficient (1: non-linear, 0: none)
-    below_at: np.ndarray         # [A] shape_prod row: the dims inside the stride's dim
-    reduce_at: np.ndarray        # [A] prod_v row: the loops inside the stride's loop
-    stride_feature: np.ndarray   # [A] the stride is the innermost loop's
-    has_reuse: np.ndarray        # [A] and the reuse loop's
-    dis_iter_at: np.ndarray
-    dis_from_mem: np.ndarray
-    dis_mem_row: np.ndarray
-    dis_const: np.ndarray
-    ct_v: np.ndarray
+    stride_loop: np.ndarray      # [A, K] loops that move the access, innermost first (-1: none left)
+    stride_v: np.ndarray         # [A, K] V row of each one's coefficient (1: a non-linear use)
+    below_at: np.ndarray         # [A, K] shape_prod row: the dims inside the dim each one moves
+    reuse_loop: np.ndarray       # [A, K] loops that do not move the access, innermost first (-1: none left)
     buf_static: np.ndarray       # [A, 18] access and reuse type flags
     max_access: int
     curve_store: np.ndarray      # stores with float ops and loops: the curve's inputs
@@ -341,6 +342,20 @@ def _dyn_sources(dyn: list, n_prods: int) -> list[int]:
 
 
 _CURVE_AT = np.arange(1, CURVE_N + 1)[:, None] / CURVE_N      # the curve's points, fractions of all ops
+
+
+def _padded(rows: list[list[int]], fill: int) -> np.ndarray:
+    """Lists of indices as one [len(rows), K] array (K >= 1), short rows filled with `fill`."""
+    width = max((len(r) for r in rows), default=0) or 1
+    return np.array([r + [fill] * (width - len(r)) for r in rows], dtype=np.intp).reshape(len(rows), width)
+
+
+def _first_real(loops: np.ndarray, E: np.ndarray, store: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each access's candidate `loops` [A, K] (innermost first, -1 past the last) and every program:
+    whether one of them has an extent over 1 in that program, and which (its column): [A, m] each."""
+    ext = E[store[:, None], np.maximum(loops, 0)]          # [A, K, m]
+    real = (ext > 1) & (loops >= 0)[:, :, None]
+    return real.any(axis=1), np.argmax(real, axis=1)
 
 
 class FeatureTemplate:
@@ -633,8 +648,18 @@ class FeatureTemplate:
         eb = b.eb[:, None]
         bytes_ = outer[sa] * eb
         unique = touched[:, 0] * eb
-        stride = np.abs(V[b.stride_v]) * Q[b.below_at]
-        lines = np.maximum(outer[sa] / P[b.reduce_at] * np.minimum(1.0, stride * eb / self.cache_line), 1.0)
+        # the loops a program really has: a loop of extent 1 is no loop in the code (TVM's lowering
+        # drops it), so an access's stride and reuse come from the innermost loops of extent > 1
+        inner = np.ones((S, N + 1, m))                     # [S, N+1, m] products of the extents of loops i..
+        inner[:, :N] = np.cumprod(E[:, ::-1], axis=1)[:, ::-1]
+        acc_m = (np.arange(A)[:, None], np.arange(m))
+        has_stride, ks = _first_real(b.stride_loop, E, sa)
+        i = b.stride_loop[acc_m[0], ks]                      # [A, m]
+        inside = inner[sa[:, None], i + 1, acc_m[1]]        # the loops inside the stride's loop
+        stride = np.where(has_stride, np.abs(V[b.stride_v[acc_m[0], ks], acc_m[1]])
+                          * Q[b.below_at[acc_m[0], ks], acc_m[1]], 0.0)
+        lines = np.maximum(outer[sa] / np.where(has_stride, inside, outer[sa])
+                           * np.minimum(1.0, stride * eb / self.cache_line), 1.0)
         n_cont = np.broadcast_to(eb, (A, m))
         if D:
             hit = (region0 == SH[b.acc_shape]) & b.dim_valid[:, :, None]
@@ -648,17 +673,19 @@ class FeatureTemplate:
         sizes = {"bytes": bytes_, "unique_bytes": unique, "lines": lines, "unique_lines": unique_lines}
         for name, x in sizes.items():
             F[:, BUF[name]] = x
-        reuse = b.has_reuse[:, None]
-        F[:, BUF["reuse_dis_iter"]] = np.where(reuse, P[b.dis_iter_at], 0.0)
-        mem_rows = mem.reshape(S * (N + 1), m)
-        F[:, BUF["reuse_dis_bytes"]] = np.where(b.dis_from_mem[:, None], mem_rows[b.dis_mem_row], b.dis_const[:, None])
-        ct = np.where(reuse, V[b.ct_v], 0.0)
+        reuse, kr = _first_real(b.reuse_loop, E, sa)
+        r = b.reuse_loop[acc_m[0], kr]                       # [A, m]
+        F[:, BUF["reuse_type.kLoopMultipleRead"]] = reuse
+        F[:, BUF["reuse_type.kNoReuse"]] = ~reuse
+        F[:, BUF["reuse_dis_iter"]] = np.where(reuse, inner[sa[:, None], r + 1, acc_m[1]], 0.0)
+        F[:, BUF["reuse_dis_bytes"]] = np.where(reuse, mem[sa[:, None], r + 1, acc_m[1]], 0.0)
+        ct = np.where(reuse, E[sa[:, None], r, acc_m[1]], 0.0)
         F[:, BUF["reuse_ct"]] = ct
         big = ct > 0.5
         safe = np.where(big, ct, 1.0)
         for name, x in sizes.items():
             F[:, BUF[f"{name}_d_reuse_ct"]] = np.where(big, x / safe, x * 2)
-        F[:, BUF["stride"]] = np.where(b.stride_feature[:, None], stride, 0.0)
+        F[:, BUF["stride"]] = np.where(has_stride & (inside == 1), stride, 0.0)   # only the innermost loop's
         # ---- the MAX_N_BUFS accesses of each store with most (lines, bytes), zero-padded
         slots = (sa, b.acc_slot)
         Fp = np.zeros((S, b.max_access, len(BUFFER_FIELDS), m))
@@ -698,6 +725,7 @@ class FeatureTemplate:
             out[al, row + col["alloc_inner_prod"]] = outer[al] / alloc_outer
         for s, name in b.unroll_env:
             out[s, OFFSET["alloc"] + COLUMN["alloc"]["auto_unroll_max_step"]] = env[name]
+        out[:, OFFSET["alloc"] + COLUMN["alloc"]["num_loops"]] = (E > 1).sum(axis=1)   # loops of extent > 1
         return out
 
     def _make_batch(self) -> "_Batch":
@@ -762,16 +790,10 @@ class FeatureTemplate:
         term_dim: list[int] = []
         term_loop: list[int] = []
         term_v: list[int] = []
-        stride_v: list[int] = []
-        below_at: list[int] = []
-        reduce_at: list[int] = []
-        stride_feature: list[bool] = []
-        has_reuse: list[bool] = []
-        dis_iter_at: list[int] = []
-        dis_from_mem: list[bool] = []
-        dis_mem_row: list[int] = []
-        dis_const: list[float] = []
-        ct_v: list[int] = []
+        stride_loop: list[list[int]] = []
+        stride_v: list[list[int]] = []
+        below_at: list[list[int]] = []
+        reuse_loop: list[list[int]] = []
         buf_static: list[np.ndarray] = []
         atoms: list[tuple[int, int, int, int]] = []     # (access, dim, level, W row): W adds there
         curve_store, curve_ops, curve_v, curve_level, curve_n = [], [], [], [], []
@@ -805,7 +827,6 @@ class FeatureTemplate:
             else:
                 static[si, row + col["vthread_len"]] = 1.0
             pos = {v: k for k, (v, _, _) in enumerate(s.loops)}
-            eb_sum = float(np.sum(np.array([acc.ele_bytes for acc in s.accesses], dtype=np.float64)))
             for j, acc in enumerate(s.accesses):
                 a = len(acc_store)
                 acc_store.append(si)
@@ -828,48 +849,21 @@ class FeatureTemplate:
                             w = self._atom_index[(id(x), self._ranging(x, s.loops, p))]
                             atoms += [(a, d, level, w) for level in range(prev + 1, p + 1)]
                             prev = p
-                stride = None              # (loop index, dim, coefficient or None for a non-linear use)
-                for i in range(n - 1, -1, -1):
+                moves: list[tuple[int, int, int]] = []     # (loop, V row of its coefficient, shape_prod row)
+                for i in range(n - 1, -1, -1):             # each loop's innermost-varying dim of the access
                     var = s.loops[i][0]
                     for d in range(len(acc.dims) - 1, -1, -1):
                         lin = acc.dims[d]
-                        if var in lin.coef:
-                            stride = (i, d, lin.coef[var])
-                        elif any(var in self._atom_vars[id(x)] for x in lin.atoms):
-                            stride = (i, d, None)
-                        if stride:
+                        if var in lin.coef or any(var in self._atom_vars[id(x)] for x in lin.atoms):
+                            c = lin.coef.get(var)
+                            moves.append((i, one if c is None else vrow(c), shape_prod(rows[d + 1:])))
                             break
-                    if stride:
-                        break
-                if stride is None:
-                    stride_v.append(zero)
-                    below_at.append(shape_prod([]))
-                    reduce_at.append(si)
-                    stride_feature.append(False)
-                else:
-                    i, d, c = stride
-                    stride_v.append(one if c is None else vrow(c))
-                    below_at.append(shape_prod(rows[d + 1:]))
-                    reduce_at.append(prod(si, range(i + 1, n)))
-                    stride_feature.append(i == n - 1)
+                stride_loop.append([i for i, _, _ in moves])
+                stride_v.append([v for _, v, _ in moves])
+                below_at.append([q for _, _, q in moves])
+                reuse_loop.append([i for i in range(n - 1, -1, -1) if not self._uses(acc, s.loops[i][0])])
                 f = np.zeros(len(BUFFER_FIELDS))
                 f[BUF[("acc_type.kRead", "acc_type.kWrite", "acc_type.kReadWrite")[min(acc.acc_type, 2)]]] = 1.0
-                r = next((i for i in range(n - 1, -1, -1) if not self._uses(acc, s.loops[i][0])), None)
-                has_reuse.append(r is not None)
-                if r is None:
-                    f[BUF["reuse_type.kNoReuse"]] = 1.0
-                    dis_iter_at.append(0)
-                    dis_from_mem.append(False)
-                    dis_mem_row.append(0)
-                    dis_const.append(0.0)
-                    ct_v.append(zero)
-                else:
-                    f[BUF["reuse_type.kLoopMultipleRead"]] = 1.0
-                    dis_iter_at.append(prod(si, range(r + 1, n)))
-                    dis_from_mem.append(r + 1 < n)
-                    dis_mem_row.append(si * (N + 1) + r + 1 if r + 1 < n else 0)
-                    dis_const.append(0.0 if r + 1 < n else eb_sum)
-                    ct_v.append(loop_v[si][r])
                 buf_static.append(f)
             if s.ops.float_ops > 0 and n:
                 curve_store.append(si)
@@ -885,13 +879,13 @@ class FeatureTemplate:
                 alloc_bytes.append(float(first.ele_bytes))
             row, col = OFFSET["alloc"], COLUMN["alloc"]
             dyn.append((si, row + col["outer_prod"], "P", si))
-            static[si, row + col["num_loops"]] = n
             u = next((u for _, _, u in reversed(s.loops) if u is not None), None)
             if isinstance(u, Var):
                 unroll_env.append((si, u.name))
             else:
                 static[si, row + col["auto_unroll_max_step"]] = u if u is not None else 0.0
         A = len(acc_store)
+        no_dims = shape_prod([])            # the product of no dims (1): where an access has no more strides
         atom_rows = sorted({(a * D + d) * (N + 1) + level for a, d, level, _ in atoms})
         atom_matrix = None
         if atoms:
@@ -915,11 +909,10 @@ class FeatureTemplate:
             acc_store=ints(acc_store), acc_slot=ints(acc_slot), acc_shape=ints(acc_shape).reshape(A, D),
             dim_valid=np.array(dim_valid, dtype=bool).reshape(A, D), eb=np.array(eb), has_loops=np.array(has_loops),
             term_acc=ints(term_acc), term_dim=ints(term_dim), term_loop=ints(term_loop), term_v=ints(term_v),
-            atom_rows=ints(atom_rows), atom_matrix=atom_matrix, eb_matrix=eb_matrix, stride_v=ints(stride_v),
-            below_at=ints(below_at), reduce_at=ints(reduce_at), stride_feature=np.array(stride_feature, dtype=bool),
-            has_reuse=np.array(has_reuse, dtype=bool), dis_iter_at=ints(dis_iter_at),
-            dis_from_mem=np.array(dis_from_mem, dtype=bool), dis_mem_row=ints(dis_mem_row),
-            dis_const=np.array(dis_const), ct_v=ints(ct_v), buf_static=np.array(buf_static).reshape(A, -1),
+            atom_rows=ints(atom_rows), atom_matrix=atom_matrix, eb_matrix=eb_matrix,
+            stride_loop=_padded(stride_loop, -1), stride_v=_padded(stride_v, zero),
+            below_at=_padded(below_at, no_dims), reuse_loop=_padded(reuse_loop, -1),
+            buf_static=np.array(buf_static).reshape(A, -1),
             max_access=max((len(s.accesses) for s in stores), default=0),
             curve_store=ints(curve_store), curve_ops=np.array(curve_ops), curve_v=ints(curve_v).reshape(-1, N),
             curve_level=ints(curve_level).reshape(-1, N), curve_n=ints(curve_n), alloc_store=ints(alloc_store),

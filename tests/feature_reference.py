@@ -3,7 +3,9 @@ a frozen copy that tests/test_feature_fast.py compares the fast path with, bit f
 
 `ReferenceTemplate` is a FeatureTemplate (the same structure analysis) whose evaluation is the old
 per-store, per-buffer code; `reference_count_ops`, `reference_tree_counts` and `reference_first_loads`
-are the old walks of the whole expression tree. Nothing in the package uses this file.
+are the old walks of the whole expression tree. Nothing in the package uses this file. One rule has
+changed since the copy, in both places: loops of extent 1 are not loops (a program's stride and reuse
+loops are the innermost of extent > 1, and num_loops counts those), here written store by store.
 """
 from __future__ import annotations
 
@@ -144,21 +146,19 @@ class ReferenceTemplate(FeatureTemplate):
         pos = {v: k for k, (v, _, _) in enumerate(s.loops)}
         for acc in s.accesses:
             dims = [([(pos[v], c) for v, c in lin.coef.items() if v in pos], lin) for lin in acc.dims]
-            stride = None              # (loop index, dim, coefficient or None for a non-linear use)
+            strides = []               # (loop index, dim, coefficient or None for a non-linear use), innermost first
             for i in range(n - 1, -1, -1):
                 var = s.loops[i][0]
                 for d in range(len(acc.dims) - 1, -1, -1):
                     lin = acc.dims[d]
                     if var in lin.coef:
-                        stride = (i, d, lin.coef[var])
-                    elif any(var in self._atom_vars[id(x)] for x in lin.atoms):
-                        stride = (i, d, None)
-                    if stride:
+                        strides.append((i, d, lin.coef[var]))
                         break
-                if stride:
-                    break
-            reuse = next((i for i in range(n - 1, -1, -1) if not self._uses(acc, s.loops[i][0])), None)
-            plan["accesses"].append((dims, stride, reuse))
+                    if any(var in self._atom_vars[id(x)] for x in lin.atoms):
+                        strides.append((i, d, None))
+                        break
+            reuse = [i for i in range(n - 1, -1, -1) if not self._uses(acc, s.loops[i][0])]
+            plan["accesses"].append((dims, strides, reuse))
             # every (dim, loop, coefficient) of the access at once, for one vectorised span computation
             terms = [(d, k, c) for d, (ts, _) in enumerate(dims) for k, c in ts]
             plan["spans"].append((np.array([d for d, _, _ in terms], dtype=np.intp),
@@ -210,18 +210,20 @@ class ReferenceTemplate(FeatureTemplate):
         eb = np.array([acc.ele_bytes for acc in s.accesses], dtype=np.float64)
         mem = np.tensordot(eb, np.array(touched), axes=1) if touched else np.zeros((n + 1, m))   # [n+1, m]
         buf_feats, keys = [], []
-        for a, (acc, (dims, stride_at, reuse_at)) in enumerate(zip(s.accesses, plan["accesses"])):
+        # a loop of extent 1 is no loop in the code (TVM's lowering drops it): each program's stride and
+        # reuse loops are the innermost candidates of extent > 1 in that program
+        inner = [E[i:].prod(axis=0) if i < n else np.ones(m) for i in range(n + 1)]
+        for a, (acc, (dims, strides, reuse_loops)) in enumerate(zip(s.accesses, plan["accesses"])):
             e = eb[a]
             bytes_ = outer * e
             unique = touched[a][0] * e if n else np.full(m, e)
-            if stride_at is None:
-                stride, reduce_ratio, found = np.zeros(m), E.prod(axis=0) if n else np.ones(m), n
-            else:
-                i, d, c = stride_at
+            stride, reduce_ratio, innermost = np.zeros(m), outer.copy(), np.zeros(m, dtype=bool)
+            for i, d, c in reversed(strides):              # outermost first: inner ones win
                 below = np.prod(shapes[a][d + 1:], axis=0) if d + 1 < len(shapes[a]) else np.ones(m)
-                stride = (np.abs(self._value(c, vals)) if c is not None else 1.0) * below
-                reduce_ratio = E[i + 1:].prod(axis=0) if i + 1 < n else np.ones(m)
-                found = i
+                real = E[i] > 1
+                stride = np.where(real, (np.abs(self._value(c, vals)) if c is not None else 1.0) * below, stride)
+                reduce_ratio = np.where(real, inner[i + 1], reduce_ratio)
+                innermost = np.where(real, inner[i + 1] == 1, innermost)
             lines = np.maximum(outer / reduce_ratio * np.minimum(1.0, stride * e / self.cache_line), 1.0)
             n_cont = np.full(m, e)
             done = np.zeros(m, dtype=bool)
@@ -235,20 +237,20 @@ class ReferenceTemplate(FeatureTemplate):
             sizes = {"bytes": bytes_, "unique_bytes": unique, "lines": lines, "unique_lines": unique_lines}
             for name, x in sizes.items():
                 f[BUF[name]] = x
-            if reuse_at is None:
-                f[BUF["reuse_type.kNoReuse"]] = 1.0
-            else:
-                r = reuse_at
-                f[BUF["reuse_type.kLoopMultipleRead"]] = 1.0
-                f[BUF["reuse_dis_iter"]] = E[r + 1:].prod(axis=0) if r + 1 < n else 1.0
-                f[BUF["reuse_dis_bytes"]] = mem[r + 1] if r + 1 < n else eb.sum()
-                f[BUF["reuse_ct"]] = E[r]
+            f[BUF["reuse_type.kNoReuse"]] = 1.0
+            for r in reversed(reuse_loops):                # outermost first: inner ones win
+                real = E[r] > 1
+                f[BUF["reuse_type.kNoReuse"]] = np.where(real, 0.0, f[BUF["reuse_type.kNoReuse"]])
+                f[BUF["reuse_type.kLoopMultipleRead"]] = np.where(real, 1.0, f[BUF["reuse_type.kLoopMultipleRead"]])
+                f[BUF["reuse_dis_iter"]] = np.where(real, inner[r + 1], f[BUF["reuse_dis_iter"]])
+                f[BUF["reuse_dis_bytes"]] = np.where(real, mem[r + 1], f[BUF["reuse_dis_bytes"]])
+                f[BUF["reuse_ct"]] = np.where(real, E[r], f[BUF["reuse_ct"]])
             ct = f[BUF["reuse_ct"]]
             big = ct > 0.5
             safe = np.where(big, ct, 1.0)
             for name, x in sizes.items():
                 f[BUF[f"{name}_d_reuse_ct"]] = np.where(big, x / safe, x * 2)
-            f[BUF["stride"]] = stride if found == n - 1 else 0.0
+            f[BUF["stride"]] = np.where(innermost, stride, 0.0)
             buf_feats.append(f)
             keys.append((lines, bytes_))
         row = OFFSET["buffers"]
@@ -267,7 +269,7 @@ class ReferenceTemplate(FeatureTemplate):
             out[row + col["alloc_outer_prod"]] = alloc_outer
             out[row + col["alloc_inner_prod"]] = outer / alloc_outer
         u = plan["unroll"]
-        out[row + col["outer_prod"]], out[row + col["num_loops"]] = outer, n
+        out[row + col["outer_prod"]], out[row + col["num_loops"]] = outer, (E > 1).sum(axis=0) if n else 0
         out[row + col["auto_unroll_max_step"]] = (env[u.name] if isinstance(u, Var) else u) if u is not None else 0.0
         return out
 
