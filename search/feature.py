@@ -315,7 +315,7 @@ class _Batch:
     stride_v: np.ndarray         # [A, K] V row of each one's coefficient (1: a non-linear use)
     below_at: np.ndarray         # [A, K] shape_prod row: the dims inside the dim each one moves
     reuse_loop: np.ndarray       # [A, K] loops that do not move the access, innermost first (-1: none left)
-    buf_static: np.ndarray       # [A, 18] access and reuse type flags
+    buf_static: np.ndarray       # [A, 18] access type flags (the reuse type is per program)
     max_access: int
     curve_store: np.ndarray      # stores with float ops and loops: the curve's inputs
     curve_ops: np.ndarray
