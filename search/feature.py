@@ -861,7 +861,7 @@ class FeatureTemplate:
                 stride_loop.append([i for i, _, _ in moves])
                 stride_v.append([v for _, v, _ in moves])
                 below_at.append([q for _, _, q in moves])
-                reuse_loop.append([i for i in range(n - 1, -1, -1) if not self._uses(acc, s.loops[i][0])])
+                reuse_loop.append([i for i in range(n - 1, -1, -1) if i not in stride_loop[-1]])   # the rest
                 f = np.zeros(len(BUFFER_FIELDS))
                 f[BUF[("acc_type.kRead", "acc_type.kWrite", "acc_type.kReadWrite")[min(acc.acc_type, 2)]]] = 1.0
                 buf_static.append(f)
@@ -918,9 +918,6 @@ class FeatureTemplate:
             curve_level=ints(curve_level).reshape(-1, N), curve_n=ints(curve_n), alloc_store=ints(alloc_store),
             elems_at=ints(elems_at), alloc_outer_at=ints(alloc_outer_at), alloc_bytes=np.array(alloc_bytes),
             unroll_env=unroll_env)
-
-    def _uses(self, acc: _Access, var: Var) -> bool:
-        return any(var in lin.coef or any(var in self._atom_vars[id(a)] for a in lin.atoms) for lin in acc.dims)
 
 
 class _BodyFactsCache:
