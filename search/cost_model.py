@@ -4,8 +4,8 @@ A program's score is the sum of the predictions for its statements (one feature 
 default (objective "regression", Ansor's) the model learns throughput normalised to [0, 1] within each
 task, with squared error weighted by that throughput (good programs matter more); objective "rank"
 learns only the order, with RankNet's pairwise logistic loss on pairs of one task's programs (on the
-fixed matmul data of tests/test_cost_model.py: held-out pairwise accuracy 0.750 against 0.673, recall@10
-0.642 against 0.517, 12 folds). It is retrained from all data each time. Every training reports held-out
+fixed matmul data of tests/test_cost_model.py: held-out pairwise accuracy 0.752 against 0.674, recall@10
+0.642 against 0.525, 12 folds). It is retrained from all data each time. Every training reports held-out
 pairwise accuracy and recall@k, so a user can see whether it learns anything.
 """
 from __future__ import annotations

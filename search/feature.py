@@ -22,8 +22,9 @@ stride and reuse come from the innermost loops of extent > 1 in each program, an
 those. A structure fixes which loops there are, not their extents, so this is decided per program when
 a template is evaluated. Counting such loops (as this file did until 2026-11-28) gave a 1024³ matmul
 whose 32-row tile sits outside the reduction and its twin with the tile inside it one feature row,
-because a split of extent 1 sat innermost in both; they ran at 20 and 164 GFLOP/s. (Annotation
-features still count an annotated loop of extent 1.)
+because a split of extent 1 sat innermost in both; they ran at 20 and 164 GFLOP/s. The same holds for
+annotated loops: a vectorised, unrolled or parallel loop of extent 1 is lowered to no loop, so it is
+not counted in its annotation's features.
 
 A stage computed inside another one reads at the place its region starts, an expression of the
 enclosing loops (its readers' indices with their inner loops at 0), and its own buffer is indexed
@@ -311,6 +312,9 @@ class _Batch:
     atom_rows: np.ndarray        # the spans (rows of [A * D * (N + 1)]) non-linear index parts add to
     atom_matrix: np.ndarray | None   # [len(atom_rows), atoms]: how often each atom's width adds there
     eb_matrix: np.ndarray        # [S, A] element bytes of each store's accesses
+    ann_store: np.ndarray        # [G] per (store, annotation kind) with annotated loops: its store,
+    ann_at: np.ndarray           # [G] the kind's group offset in the row, and
+    ann_loop: np.ndarray         # [G, K] its annotated loops, innermost first (-1: none left)
     stride_loop: np.ndarray      # [A, K] loops that move the access, innermost first (-1: none left)
     stride_v: np.ndarray         # [A, K] V row of each one's coefficient (1: a non-linear use)
     below_at: np.ndarray         # [A, K] shape_prod row: the dims inside the dim each one moves
@@ -350,12 +354,18 @@ def _padded(rows: list[list[int]], fill: int) -> np.ndarray:
     return np.array([r + [fill] * (width - len(r)) for r in rows], dtype=np.intp).reshape(len(rows), width)
 
 
+def _real_loops(loops: np.ndarray, E: np.ndarray, store: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The extents [R, K, m] of each row's candidate `loops` [R, K] (-1 past the last) in every program,
+    and which of them are loops there (extent over 1): [R, K, m]."""
+    ext = E[store[:, None], np.maximum(loops, 0)]
+    return ext, (ext > 1) & (loops >= 0)[:, :, None]
+
+
 def _first_real(loops: np.ndarray, E: np.ndarray, store: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each access's candidate `loops` [A, K] (innermost first, -1 past the last) and every program:
     whether one of them has an extent over 1 in that program, and which (its column): [A, m] each."""
-    ext = E[store[:, None], np.maximum(loops, 0)]          # [A, K, m]
-    real = (ext > 1) & (loops >= 0)[:, :, None]
-    return real.any(axis=1), np.argmax(real, axis=1)
+    _, real = _real_loops(loops, E, store)
+    return np.asarray(real.any(axis=1)), np.argmax(real, axis=1)
 
 
 class FeatureTemplate:
@@ -630,6 +640,18 @@ class FeatureTemplate:
         ops_at = OFFSET["ops"]
         out[:, ops_at:ops_at + len(OP_FIELDS)] = b.opvec[:, :, None] * outer[:, None, :]
         out[b.dyn_store, b.dyn_col] = np.concatenate([P, V[b.pick_v]])[b.dyn_src]
+        if len(b.ann_store):                    # annotated loops: those of extent > 1 only, as lowered
+            ext, real = _real_loops(b.ann_loop, E, b.ann_store)                    # [G, K, m]
+            num = real.sum(axis=1)
+            some = num > 0
+            innermost = ext[np.arange(len(num))[:, None], np.argmax(real, axis=1), np.arange(m)]
+            col = COLUMN["vec"]                 # the three groups' fields are laid out alike
+            gs, group = b.ann_store, b.ann_at
+            out[gs, group + col["num"]] = num
+            out[gs, group + col["prod"]] = np.where(some, np.where(real, ext, 1.0).prod(axis=1), 0.0)
+            out[gs, group + col["len"]] = np.where(some, innermost, 0.0)
+            out[gs, group + col["type.kPosMixed"]] = some
+            out[gs, group + col["type.kPosNone"]] = ~some
         # ---- buffer accesses: span of each index dim while loops i.. vary (outer ones fixed), i = 0..n
         sa = b.acc_store
         contrib = np.zeros((A, D, N + 1, m))
@@ -799,19 +821,20 @@ class FeatureTemplate:
         curve_store, curve_ops, curve_v, curve_level, curve_n = [], [], [], [], []
         alloc_store, elems_at, alloc_outer_at, alloc_bytes = [], [], [], []
         unroll_env: list[tuple[int, str]] = []
+        ann_store: list[int] = []
+        ann_at: list[int] = []
+        ann_loop: list[list[int]] = []
         for si, s in enumerate(stores):
             n = len(s.loops)
             ann = [a for _, a, _ in s.loops]
             for kind, group in _ANNOTATION_GROUPS:
-                row, col = OFFSET[group], COLUMN[group]
                 idx = [i for i, a in enumerate(ann) if a == kind]
-                if idx:
-                    static[si, row + col["num"]] = len(idx)
-                    dyn.append((si, row + col["prod"], "P", prod(si, idx)))
-                    dyn.append((si, row + col["len"], "V", loop_v[si][idx[-1]]))
-                    static[si, row + col["type.kPosMixed"]] = 1.0
+                if idx:                          # whether they are loops is per program
+                    ann_store.append(si)
+                    ann_at.append(OFFSET[group])
+                    ann_loop.append(idx[::-1])
                 else:
-                    static[si, row + col["type.kPosNone"]] = 1.0
+                    static[si, OFFSET[group] + COLUMN[group]["type.kPosNone"]] = 1.0
             row, col = OFFSET["gpu"], COLUMN["gpu"]
             static[si, row + col["is_gpu"]] = float(self.is_gpu)
             gpu = {a: i for i, a in enumerate(ann) if a in _GPU_AXES}
@@ -910,6 +933,7 @@ class FeatureTemplate:
             dim_valid=np.array(dim_valid, dtype=bool).reshape(A, D), eb=np.array(eb), has_loops=np.array(has_loops),
             term_acc=ints(term_acc), term_dim=ints(term_dim), term_loop=ints(term_loop), term_v=ints(term_v),
             atom_rows=ints(atom_rows), atom_matrix=atom_matrix, eb_matrix=eb_matrix,
+            ann_store=ints(ann_store), ann_at=ints(ann_at), ann_loop=_padded(ann_loop, -1),
             stride_loop=_padded(stride_loop, -1), stride_v=_padded(stride_v, zero),
             below_at=_padded(below_at, no_dims), reuse_loop=_padded(reuse_loop, -1),
             buf_static=np.array(buf_static).reshape(A, -1),

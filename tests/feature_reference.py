@@ -178,14 +178,15 @@ class ReferenceTemplate(FeatureTemplate):
         out[ops_at:ops_at + len(OP_FIELDS)] = np.asarray(s.ops.vector(), dtype=np.float64)[:, None] * outer
         for kind, group in _ANNOTATION_GROUPS:
             row, col = OFFSET[group], COLUMN[group]
-            idx = plan["kinds"][kind]
-            if idx:
-                out[row + col["num"]] = len(idx)
-                out[row + col["prod"]] = E[idx].prod(axis=0)
-                out[row + col["len"]] = E[idx[-1]]
-                out[row + col["type.kPosMixed"]] = 1.0
-            else:
-                out[row + col["type.kPosNone"]] = 1.0
+            for j in range(m):                       # a loop of extent 1 is lowered to no loop
+                real = [i for i in plan["kinds"][kind] if E[i, j] > 1]
+                if real:
+                    out[row + col["num"], j] = len(real)
+                    out[row + col["prod"], j] = np.prod([E[i, j] for i in real])
+                    out[row + col["len"], j] = E[real[-1], j]
+                    out[row + col["type.kPosMixed"], j] = 1.0
+                else:
+                    out[row + col["type.kPosNone"], j] = 1.0
         row, col = OFFSET["gpu"], COLUMN["gpu"]
         out[row + col["is_gpu"]] = float(self.is_gpu)
         for axis in _GPU_AXES:

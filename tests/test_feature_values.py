@@ -255,6 +255,24 @@ def test_loops_of_extent_one_are_no_loops():
     })
 
 
+def test_annotated_loops_of_extent_one_are_no_loops():
+    """B = A * 2 on [64, 32], i split by 64 and j by 1, the loops of extent 1 annotated:
+
+        parallel i.0 (0,1)  for i.1 (0,64)  for j.0 (0,32)  vectorize j.1 (0,1)
+
+    TVM lowers a loop of extent 1 to a let whatever its annotation, so feature.cc sees neither the
+    parallel nor the vectorised loop: the row is that of the same splits unannotated (kPosNone, no
+    count, product or length). A vectorised loop of extent 8 beside a parallel one of extent 1 counts."""
+    a = te.placeholder((64, 32), name="A")
+    b = te.compute((64, 32), lambda i, j: a[i, j] * 2.0, name="B")
+    split = State(ComputeDAG([a, b])).split("B", 0, [64]).split("B", 2, [1])
+    annotated = rows(split.parallel("B", 0).vectorize("B", 3))["B"]
+    assert_entries(annotated, num_loops=2, **annotation("vec", None), **annotation("parallel", None))
+    assert annotated == rows(split)["B"]
+    wide = State(ComputeDAG([a, b])).split("B", 0, [64]).split("B", 2, [8]).parallel("B", 0).vectorize("B", 3)
+    assert_entries(rows(wide)["B"], num_loops=3, **annotation("vec", [8]), **annotation("parallel", None))
+
+
 def test_strides_skipped_loops_and_partial_rows():
     """out[i, j, k] = A[i, 2k] + W[j, 0] with A [8, 64], W [16, 16], out [8, 16, 32], loops reordered:
 
