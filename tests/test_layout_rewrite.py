@@ -71,7 +71,8 @@ def _check_network_convs(network: str, image_size: int, per_shape: int) -> None:
             _run_rewritten(state, t.layout_free, seed=j)
 
 
-@pytest.mark.parametrize("network", ["resnet-18", "resnet-50"])
+# ResNet-50's convs are ResNet-18's kinds (1x1, 3x3, strided, the 7x7 stem) in more shapes: -m slow.
+@pytest.mark.parametrize("network", ["resnet-18", pytest.param("resnet-50", marks=pytest.mark.slow)])
 def test_every_conv_of_resnet_rewritten_matches_numpy(network):
     """Each conv shape of the network (channels, kernel, stride, padding as in the model; image 32 keeps
     the spatial extents small), under three programs the search samples."""

@@ -279,8 +279,12 @@ def test_sketches_tile_bgemm_and_unroll_the_transforms(m):
     assert innermost == {("data_pack", "unroll"), ("data_pack", "none"), ("inverse", "unroll"), ("inverse", "none")}
 
 
-@pytest.mark.parametrize("m", winograd.TILE_SIZES)
-@pytest.mark.parametrize("shape,relu", [((256, 14, 14, 256, 1), False), ((4, 7, 9, 8, 1), True)])
+# F(4, 3) on the ResNet-sized shape is slow (8 s) and its code is the small shape's: -m slow.
+@pytest.mark.parametrize("shape,relu,m", [
+    ((256, 14, 14, 256, 1), False, 2),
+    pytest.param((256, 14, 14, 256, 1), False, 4, marks=pytest.mark.slow),
+    ((4, 7, 9, 8, 1), True, 2), ((4, 7, 9, 8, 1), True, 4)],
+    ids=["256ch-f2", "256ch-f4", "small-relu-f2", "small-relu-f4"])
 def test_sampled_and_mutated_programs_match_direct_conv(shape, relu, m):
     ci, h, w, co, pad = shape
     pol = _policy(make_dag("conv2d_winograd", 1, h, w, ci, co, pad, m, relu))
