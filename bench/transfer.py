@@ -10,6 +10,15 @@ store: other tasks' programs rebuilt from the task files stored beside their rec
 round of every task is already proposed by a model. Both keep learning from their own measurements (the
 transfer model keeps the history in its training data, as the flow's does). The figure: the trials the
 transfer run needs to reach the cold run's final estimated latency, against the cold run's budget.
+
+The transfer run tunes into a store that holds the history's records of the network's own tasks, as a
+user's store does after tuning the other networks in it: a task the network shares with them (ResNet-50's
+stem and its stride-1 3x3 convs are ResNet-18's) resumes as the flow resumes it (flows.tuning.resume_policy:
+its programs are never measured again, the scheduler starts from its stored best, the model learns them
+there, so the history model leaves them out rather than learn them twice). `--model-only` starts that store
+empty: only the model carries the history, the question of what a model trained on other tasks is worth.
+The stored timings are another hour's: the row names the tasks resumed and their part of both runs'
+final estimates (stored bests against the cold run's own).
 """
 from __future__ import annotations
 
@@ -36,6 +45,23 @@ def history_model(history: list[str], tasks: list, seed: int, exclude: tuple[str
     return found.model, found.programs, found.tasks, found.unknown
 
 
+def shared_records(history: list[str], tasks: list) -> dict[str, list]:
+    """The history's records of `tasks` on their target, per workload key (keys with none left out)."""
+    from tensortune.storage.records import RecordStore
+    keys = [t.workload_key for t in tasks]
+    found: dict[str, list] = {}
+    for path in history:
+        for record in RecordStore(path).load_records(target=str(tasks[0].target), workload_key=keys):
+            found.setdefault(record.workload_key, []).append(record)
+    return found
+
+
+def part_ms(tuner, keys) -> float:
+    """The tasks `keys`' part of the tuner's estimate: the sum of weight x best latency (seconds)."""
+    return sum(p.task.weight * cost for p, cost in zip(tuner.policies, tuner.sched.best_costs)
+               if p.task.workload_key in keys)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench transfer")
     ap.add_argument("network", nargs="?", default="resnet-50")
@@ -48,6 +74,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-only", action="store_true",
+                    help="the transfer run's store starts empty: tasks the history shares with the network are "
+                         "tuned from scratch, only the model carries the history")
     ap.add_argument("--json", help="write the environment and the row to this JSON file")
     args = ap.parse_args(argv)
     missing = [p for p in args.history if not os.path.isdir(p)]
@@ -68,14 +97,21 @@ def main(argv: list[str]) -> int:
     except GraphError as err:              # an unknown network, or one that takes no image size
         print(f"error: {err}", file=sys.stderr)
         return 2
+    shared = {} if args.model_only else shared_records(args.history, tasks)
     with Stopwatch() as train_watch:
-        model, programs, keys, unknown = history_model(args.history, tasks, args.seed)
+        model, programs, keys, unknown = history_model(args.history, tasks, args.seed, exclude=tuple(shared))
     accuracy = model.metrics.pairwise_accuracy      # of the history alone (later trainings replace it)
     env = environment(args.threads)
     print(f"transfer model: {programs} programs of {keys} tasks from {len(args.history)} store(s) "
           f"({train_watch.seconds:.0f} s); held-out pairwise accuracy {accuracy:.3f}"
           + (f"; {len(unknown)} task(s) without a stored description skipped" if unknown else ""), flush=True)
     home = tempfile.mkdtemp(prefix="tensortune-bench-transfer-")
+    for records in shared.values():
+        RecordStore(os.path.join(home, "transfer")).append(records)
+    names = {t.workload_key: t.label for t in tasks}
+    if shared:
+        print(f"resumed from the history: {len(shared)} task(s), {sum(map(len, shared.values()))} programs: "
+              + "; ".join(names[k] for k in shared), flush=True)
     measurer = network_measurer(net)
     runs = {"cold": "xgb", "transfer": model}
     params = SearchParams(num_measures_per_round=args.per_round)
@@ -97,7 +133,12 @@ def main(argv: list[str]) -> int:
     row = {"network": args.network, "image_size": args.image_size, "target": str(tasks[0].target),
            "tasks": len(tasks), "trials": args.trials, "per_round": tuners["cold"].per_round,
            "history": args.history, "history_programs": programs,
-           "history_tasks": keys, "history_train_s": train_watch.seconds,
+           "history_tasks": keys, "history_train_s": train_watch.seconds, "model_only": args.model_only,
+           "resumed_tasks": [names[k] for k in shared], "resumed_programs": sum(map(len, shared.values())),
+           # the resumed tasks' part of each final estimate (weight x best): stored bests against the cold
+           # run's own timings of the same tasks
+           "resumed_part_cold_ms": part_ms(tuners["cold"], shared) * 1e3,
+           "resumed_part_transfer_ms": part_ms(tuners["transfer"], shared) * 1e3,
            "history_model_pairwise_accuracy": accuracy,
            "cold_final_ms": final * 1e3, "transfer_final_ms": warm.estimated_latency * 1e3,
            "transfer_trials_to_cold_final": reached,

@@ -102,6 +102,24 @@ def test_the_transfer_benchmark_trains_on_every_task_of_the_history(tuned, tmp_p
     assert capsys.readouterr().err.strip().startswith("error: unknown network 'resnet-7'; known: ")
 
 
+def test_the_transfer_benchmark_resumes_the_tasks_the_history_shares(tuned, tmp_path):
+    """bench transfer's transfer run tunes into a store holding the history's records of the network's own
+    tasks: a task the history shares resumes from its stored best, one it lacks starts with none."""
+    from bench.transfer import shared_records
+    from tensortune.flows.tuning import NetworkTuner
+    root, store, other, mine = tuned
+    newcomer = make_task(make_dag("matmul", 128, 128, 128))
+    shared = shared_records([root], [mine, newcomer])
+    assert list(shared) == [mine.workload_key] and len(shared[mine.workload_key]) == TRIALS
+    transfer = RecordStore(str(tmp_path / "transfer"))
+    transfer.append(shared[mine.workload_key])
+    tuner = NetworkTuner([mine, newcomer], 2 * TRIALS, None, records=transfer, params=PARAMS)
+    assert tuner.history == [TRIALS, 0]
+    stored = store.records_of(mine.workload_key)
+    assert tuner.sched.best_costs[0] == pytest.approx(stored.loc[stored.error_code == 0, "mean_latency"].min())
+    assert tuner.result.best_steps[1] is None
+
+
 def test_the_tune_benchmarks_transfer_row_leaves_the_tasks_own_records_out(tuned, tmp_path, capsys):
     """bench tune --history: the transfer row's model learns from the other tasks only (what another
     task's history is worth), and a missing store is one line and exit 2 before anything is tuned."""
