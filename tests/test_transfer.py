@@ -105,7 +105,7 @@ def test_the_transfer_benchmark_trains_on_every_task_of_the_history(tuned, tmp_p
 def test_the_transfer_benchmark_resumes_the_tasks_the_history_shares(tuned, tmp_path):
     """bench transfer's transfer run tunes into a store holding the history's records of the network's own
     tasks: a task the history shares resumes from its stored best, one it lacks starts with none."""
-    from bench.transfer import shared_records
+    from bench.transfer import retimed_parts, shared_records
     from tensortune.flows.tuning import NetworkTuner
     root, store, other, mine = tuned
     newcomer = make_task(make_dag("matmul", 128, 128, 128))
@@ -118,6 +118,13 @@ def test_the_transfer_benchmark_resumes_the_tasks_the_history_shares(tuned, tmp_
     stored = store.records_of(mine.workload_key)
     assert tuner.sched.best_costs[0] == pytest.approx(stored.loc[stored.error_code == 0, "mean_latency"].min())
     assert tuner.result.best_steps[1] is None
+    # the resumed task's best timed again now: a finite part of the estimate; the other task has no part
+    m = ProgramMeasurer(LocalBuilder(), LocalRunner(config=TimingConfig(min_repeat_ms=5, repeat=1)))
+    try:
+        parts = retimed_parts(m, {"transfer": tuner}, {mine.workload_key}, passes=2)
+        assert 0 < parts["transfer"] < 1 and retimed_parts(m, {"transfer": tuner}, set()) == {"transfer": 0.0}
+    finally:
+        m.close()
 
 
 def test_the_tune_benchmarks_transfer_row_leaves_the_tasks_own_records_out(tuned, tmp_path, capsys):
