@@ -1,15 +1,16 @@
-"""`python -m bench transfer`: how many trials does a network's tuning save when its cost model has seen
-other networks' records? (issue 19: ResNet-50 with the history of ResNet-18 and MobileNet-V2 should reach
-the cold run's final estimate in at most half the trials.)
+"""`python -m bench transfer`: how many trials does a network's tuning save when its store holds other
+networks' records, as a user's does after tuning them? (issue 19: ResNet-50 with the history of
+ResNet-18 and MobileNet-V2 should reach the cold run's final estimate in at most half the trials.)
 
 Two runs of the same network, budget and seed, taking turns one round each on one measurer (so this VM's
 drift hits both alike): *cold*, whose model starts empty, so rounds are drawn at random until its first
 fit, as on a first night; *transfer*, whose model starts trained on every record of the target in the
-`--history` stores (flows.retrain.Trainer with transfer=True, as the flow's retrain step reads the
-store: other tasks' programs rebuilt from the task files stored beside their records), so the first
-round of every task is already proposed by a model. Both keep learning from their own measurements (the
-transfer model keeps the history in its training data, as the flow's does). The figure: the trials the
-transfer run needs to reach the cold run's final estimated latency, against the cold run's budget.
+`--history` stores (its own tasks' aside: they resume, below; flows.retrain.Trainer with transfer=True,
+as the flow's retrain step reads the store: other tasks' programs rebuilt from the task files stored
+beside their records), so the first round of every task is already proposed by a model. Both keep
+learning from their own measurements (the transfer model keeps the history in its training data, as the
+flow's does). The figure: the trials the transfer run needs to reach the cold run's final estimated
+latency, against the cold run's budget.
 
 The transfer run tunes into a store that holds the history's records of the network's own tasks, as a
 user's store does after tuning the other networks in it: a task the network shares with them (ResNet-50's
