@@ -65,23 +65,23 @@ def part_ms(tuner, keys) -> float:
 
 
 def retimed_parts(measurer, tuners: dict, keys, passes: int = 4) -> dict[str, float]:
-    """The tasks `keys`' part of each run's final estimate with their best programs timed again now, the
-    runs taking turns `passes` times (each program's fastest): the stored bests a resumed run starts from
-    were timed on another hour of the machine, the cold run's on this one (seconds, weight x latency)."""
+    """The tasks `keys`' part of each run's final estimate with their best programs timed again now: the
+    stored bests a resumed run starts from were timed on another hour of the machine, the cold run's on
+    this one (seconds, weight x latency). The runs' bests of a task are timed in one batch, `passes`
+    times each in turns (ABBA), each program's fastest counting: in a batch as the search times its
+    rounds, since a program timed alone reads slower (its data not settled: codegen.timing)."""
     parts = dict.fromkeys(tuners, 0.0)
     first = next(iter(tuners.values()))
     for i, policy in enumerate(first.policies):
         if policy.task.workload_key not in keys:
             continue
-        fastest = dict.fromkeys(tuners, math.inf)
-        for _ in range(passes):
-            for label, tuner in tuners.items():
-                steps = tuner.result.best_steps[i]
-                if steps is not None:
-                    (result,) = measurer.measure(policy.task, [steps])
-                    fastest[label] = min(fastest[label], result.latency)
+        bests = {label: tuner.result.best_steps[i] for label, tuner in tuners.items()}
+        order = [label for p in range(passes) for label in (list(bests) if p % 2 == 0 else list(bests)[::-1])
+                 if bests[label] is not None]
+        results = measurer.measure(policy.task, [bests[label] for label in order]) if order else []
         for label in tuners:
-            parts[label] += policy.task.weight * fastest[label]
+            fastest = min((r.latency for lab, r in zip(order, results) if lab == label), default=math.inf)
+            parts[label] += policy.task.weight * fastest
     return parts
 
 
