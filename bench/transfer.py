@@ -29,9 +29,16 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from bench.common import Stopwatch, environment, llvm_target, print_table, write_json
 from bench.network import take_turns, trials_to_reach
+
+if TYPE_CHECKING:
+    from tensortune.codegen.measure import Measurer
+    from tensortune.flows.tuning import NetworkTuner
+    from tensortune.storage.schema import MeasureRecord
 
 
 def history_model(history: list[str], tasks: list, seed: int, exclude: tuple[str, ...] = ()):
@@ -47,24 +54,25 @@ def history_model(history: list[str], tasks: list, seed: int, exclude: tuple[str
     return found.model, found.programs, found.tasks, found.unknown
 
 
-def shared_records(history: list[str], tasks: list) -> dict[str, list]:
+def shared_records(history: list[str], tasks: list) -> dict[str, list[MeasureRecord]]:
     """The history's records of `tasks` on their target, per workload key (keys with none left out)."""
     from tensortune.storage.records import RecordStore
     keys = [t.workload_key for t in tasks]
-    found: dict[str, list] = {}
+    found: dict[str, list[MeasureRecord]] = {}
     for path in history:
         for record in RecordStore(path).load_records(target=str(tasks[0].target), workload_key=keys):
             found.setdefault(record.workload_key, []).append(record)
     return found
 
 
-def part_ms(tuner, keys) -> float:
+def part_ms(tuner: NetworkTuner, keys: Collection[str]) -> float:
     """The tasks `keys`' part of the tuner's estimate: the sum of weight x best latency (seconds)."""
     return sum(p.task.weight * cost for p, cost in zip(tuner.policies, tuner.sched.best_costs)
                if p.task.workload_key in keys)
 
 
-def retimed_parts(measurer, tuners: dict, keys, passes: int = 4) -> dict[str, float]:
+def retimed_parts(measurer: Measurer, tuners: dict[str, NetworkTuner], keys: Collection[str],
+                  passes: int = 4) -> dict[str, float]:
     """The tasks `keys`' part of each run's final estimate with their best programs timed again now: the
     stored bests a resumed run starts from were timed on another hour of the machine, the cold run's on
     this one (seconds, weight x latency). The runs' bests of a task are timed in one batch, `passes`
