@@ -137,18 +137,19 @@ def main(argv: list[str]) -> int:
           f"({train_watch.seconds:.0f} s); held-out pairwise accuracy {accuracy:.3f}"
           + (f"; {len(unknown)} task(s) without a stored description skipped" if unknown else ""), flush=True)
     home = tempfile.mkdtemp(prefix="tensortune-bench-transfer-")
-    for records in shared.values():
-        RecordStore(os.path.join(home, "transfer")).append(records)
+    runs = {"cold": "xgb", "transfer": model}
+    stores = {label: RecordStore(os.path.join(home, label)) for label in runs}
+    stores["transfer"].append([record for records in shared.values() for record in records])
     names = {t.workload_key: t.label for t in tasks}
+    resumed = sum(map(len, shared.values()))
     if shared:
-        print(f"resumed from the history: {len(shared)} task(s), {sum(map(len, shared.values()))} programs: "
+        print(f"resumed from the history: {len(shared)} task(s), {resumed} programs: "
               + "; ".join(names[k] for k in shared), flush=True)
     measurer = network_measurer(net)
-    runs = {"cold": "xgb", "transfer": model}
     params = SearchParams(num_measures_per_round=args.per_round)
     tuners = {label: NetworkTuner(tasks, args.trials, measurer, model=m, params=params, seed=args.seed,
                                   network_name=args.network,
-                                  records=RecordStore(os.path.join(home, label)),
+                                  records=stores[label],
                                   progress=lambda i, log, r, label=label: print(
                                       f"  [{label}] {r.trials}/{args.trials} trials, est. "
                                       f"{r.estimated_latency * 1e3:.3f} ms", flush=True))
@@ -166,7 +167,7 @@ def main(argv: list[str]) -> int:
            "tasks": len(tasks), "trials": args.trials, "per_round": tuners["cold"].per_round,
            "history": args.history, "history_programs": programs,
            "history_tasks": keys, "history_train_s": train_watch.seconds, "model_only": args.model_only,
-           "resumed_tasks": [names[k] for k in shared], "resumed_programs": sum(map(len, shared.values())),
+           "resumed_tasks": [names[k] for k in shared], "resumed_programs": resumed,
            # the resumed tasks' part of each final estimate (weight x best): stored bests against the cold
            # run's own timings of the same tasks
            "resumed_part_cold_ms": part_ms(tuners["cold"], shared) * 1e3,
