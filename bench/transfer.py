@@ -47,6 +47,9 @@ def history_model(history: list[str], tasks: list, seed: int, exclude: tuple[str
     from tensortune.flows.retrain import history_model as trained_on
     from tensortune.storage.records import RecordStore
     found = trained_on([RecordStore(path) for path in history], tasks, seed, exclude)
+    if found.programs == 0 and exclude:
+        raise SystemExit(f"error: every record for {tasks[0].target} in {', '.join(history)} is of the network's "
+                         "own tasks, which resume: the model has no other tasks' records to learn from")
     if found.programs == 0:
         raise SystemExit(f"error: no records for {tasks[0].target} in {', '.join(history)}")
     if found.model.booster is None:

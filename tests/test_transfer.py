@@ -105,9 +105,12 @@ def test_the_transfer_benchmark_trains_on_every_task_of_the_history(tuned, tmp_p
 def test_the_transfer_benchmark_resumes_the_tasks_the_history_shares(tuned, tmp_path):
     """bench transfer's transfer run tunes into a store holding the history's records of the network's own
     tasks: a task the history shares resumes from its stored best, one it lacks starts with none."""
-    from bench.transfer import retimed_parts, shared_records
+    from bench.transfer import history_model, retimed_parts, shared_records
     from tensortune.flows.tuning import NetworkTuner
     root, store, other, mine = tuned
+    with pytest.raises(SystemExit) as exit_:          # all of the history resumes: no model to learn
+        history_model([root], [mine, other], seed=0, exclude=(mine.workload_key, other.workload_key))
+    assert "own tasks, which resume" in str(exit_.value.code)
     newcomer = make_task(make_dag("matmul", 128, 128, 128))
     shared = shared_records([root], [mine, newcomer])
     assert list(shared) == [mine.workload_key] and len(shared[mine.workload_key]) == TRIALS
