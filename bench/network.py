@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -254,13 +255,38 @@ def take_turns(tuners: dict) -> dict[str, float]:
     return seconds
 
 
-def stored_result(name: str, tasks: list, home: str, form_sets: list):
-    """The best programs and costs a previous run stored in home/gradient (`--records`), read as a tuner
-    resuming from them reads them: `--retime` times the networks again without tuning."""
+class MissingPrograms(Exception):
+    """`--retime` found a store without a program for some of the network's tasks."""
+
+
+def retime_store(records: str, name: str) -> str | None:
+    """Where `--retime` reads network `name`'s records in `records` (None: nowhere). A run of this benchmark
+    keeps them in records/<name>/gradient; a store the flow wrote (`tensortune tune NAME --records DIR`,
+    a user's nightly store) is `records` itself, so the network a user would deploy from it can be set
+    beside ONNX Runtime and PyTorch without tuning again."""
+    from tensortune.storage.records import RecordStore
+    own = os.path.join(records, name, "gradient")
+    if os.path.isdir(own):
+        return own
+    return records if os.path.isdir(records) and RecordStore(records).targets() else None
+
+
+def stored_result(name: str, tasks: list, store: str, form_sets: list):
+    """The best programs and costs stored in `store` (`retime_store`), read as a tuner resuming from them
+    reads them: `--retime` times the networks again without tuning. Every task must have a stored program:
+    one built with the runtime's default schedule would be timed as if it were tuned."""
     from tensortune.flows.tuning import NetworkTuner
     from tensortune.storage.records import RecordStore
-    tuner = NetworkTuner(tasks, 0, None, records=RecordStore(os.path.join(home, "gradient")), network_name=name,
-                         form_sets=form_sets)
+    tuner = NetworkTuner(tasks, 0, None, records=RecordStore(store), network_name=name, form_sets=form_sets)
+    stored = [bool(steps) for steps in tuner.result.best_steps]
+    in_sets = {i for group in form_sets for i in group}
+    missing = [tasks[i].name for i in range(len(tasks)) if i not in in_sets and not stored[i]]
+    missing += [tasks[group[0]].name for group in form_sets if not any(stored[i] for i in group)]
+    if missing:
+        names = sorted(set(missing))
+        raise MissingPrograms(f"--retime: {store} holds no program for {len(missing)} of the {len(tasks)} tasks of "
+                              f"{name} as this benchmark imports it ({', '.join(names[:4])}"
+                              f"{', ...' if len(names) > 4 else ''})")
     tuner.result.trials = sum(tuner.history)
     return tuner.result
 
@@ -320,7 +346,9 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     (input_name,) = feed
 
     if args.retime:
-        runs = {"gradient": (stored_result(name, tasks, os.path.join(args.records, name), net.form_sets()), None)}
+        store = retime_store(args.records, name)
+        assert store is not None                  # main checked it before anything started
+        runs = {"gradient": (stored_result(name, tasks, store, net.form_sets()), None)}
     else:
         measurer = network_measurer(net)          # as tune_network and the flow time kernels
         strategies = ["gradient"] + ([] if args.no_round_robin else ["round-robin"])
@@ -452,7 +480,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--records", metavar="DIR", help="keep the records in DIR/<network>/{warm-up,<strategy>} "
                                                       "(a fresh folder: a stored history would be resumed)")
     ap.add_argument("--retime", action="store_true", help="no tuning: time the networks built from the records "
-                                                           "an earlier run kept in --records DIR")
+                                                           "an earlier run kept in --records DIR, or from the "
+                                                           "record store DIR (`tensortune tune NAME --records DIR`)")
     ap.add_argument("--keep-onnx", metavar="DIR", help="write the exported ONNX files to DIR (default: a "
                                                        "temporary folder, removed)")
     args = ap.parse_args(argv)
@@ -460,11 +489,11 @@ def main(argv: list[str]) -> int:
     if unknown:
         ap.error(f"unknown network(s) {unknown}; known: {', '.join(NETWORK_OPTIONS)}")
     if args.retime:
-        missing = [n for n in args.networks
-                   if not args.records or not os.path.isdir(os.path.join(args.records, n, "gradient"))]
+        missing = [n for n in args.networks if not args.records or retime_store(args.records, n) is None]
         if missing:
             ap.error(f"--retime needs the records of an earlier run: no {args.records or '--records DIR'}/"
-                     f"<network>/gradient for {', '.join(missing)}")
+                     f"<network>/gradient for {', '.join(missing)}, and {args.records or '--records DIR'} "
+                     "is no record store")
     folder = args.keep_onnx or tempfile.mkdtemp(prefix="tensortune-bench-onnx-")
     os.makedirs(folder, exist_ok=True)
     rows = []
@@ -476,7 +505,11 @@ def main(argv: list[str]) -> int:
             print(f"{env['machine']['cpu_model']} ({env['machine']['llvm_host_cpu']}); BLAS {env['blas']}; "
                   f"FMA peak {env['fma_peak_gflops']} GFLOP/s", flush=True)
             for name in args.networks:
-                rows.append(bench_network(name, args, torch, folder))
+                try:
+                    rows.append(bench_network(name, args, torch, folder))
+                except MissingPrograms as err:
+                    print(f"error: {err}", file=sys.stderr)
+                    return 2
                 print(json.dumps({k: v for k, v in rows[-1].items()
                                   if not k.endswith("curve") and k not in ("pair_timings", "workload_keys")}),
                       flush=True)

@@ -358,7 +358,8 @@ def test_retime_without_the_records_of_a_run_is_one_line_before_anything_starts(
         main(["resnet-18", "bert-base", "--retime", "--records", str(tmp_path)])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.endswith(f"--retime needs the records of an earlier run: no {tmp_path}/<network>/gradient for bert-base")
+    assert err.endswith(f"--retime needs the records of an earlier run: no {tmp_path}/<network>/gradient for "
+                        f"bert-base, and {tmp_path} is no record store")
     with pytest.raises(SystemExit):
         main(["resnet-18", "--retime"])
     assert "no --records DIR/<network>/gradient for resnet-18" in capsys.readouterr().err

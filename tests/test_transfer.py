@@ -140,3 +140,23 @@ def test_the_tune_benchmarks_transfer_row_leaves_the_tasks_own_records_out(tuned
     assert programs == TRIALS and set(model.data) == {other.workload_key}
     assert main(["--workloads", "matmul", "--history", str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err.strip() == f"error: --history {tmp_path / 'nowhere'}: no such folder"
+
+
+def test_bench_network_retimes_a_store_the_flow_wrote_and_names_the_tasks_it_lacks(tuned, tmp_path):
+    """`python -m bench network --retime --records DIR` reads a user's store (what `tensortune tune` writes)
+    as well as its own runs' DIR/<network>/gradient; a task the store has no program for is named, not
+    built with the runtime's default schedule and timed as if it were tuned."""
+    from bench.network import MissingPrograms, retime_store, stored_result
+    root, _, other, mine = tuned
+    assert retime_store(root, "resnet-18") == root
+    runs = tmp_path / "runs"
+    (runs / "resnet-18" / "gradient").mkdir(parents=True)
+    assert retime_store(str(runs), "resnet-18") == str(runs / "resnet-18" / "gradient")
+    assert retime_store(str(runs), "bert-base") is None             # neither a run's layout nor a store
+    result = stored_result("two", [other, mine], root, [])
+    assert all(result.best_steps) and result.trials == 2 * TRIALS
+    newcomer = make_task(make_dag("matmul", 128, 128, 128))
+    with pytest.raises(MissingPrograms, match=f"no program for 1 of the 3 tasks of two .*{newcomer.name}"):
+        stored_result("two", [other, mine, newcomer], root, [])
+    # of a group of alternative forms (a conv and its Winograd form), one stored program is enough
+    assert stored_result("two", [other, mine, newcomer], root, [(1, 2)]).best_steps[2] is None
