@@ -41,6 +41,7 @@ from tensortune.tasks.winograd import parse_tiles
 
 NETWORK_OPTIONS = {
     "resnet-18": {"image_size": 224},
+    "resnet-50": {"image_size": 224},
     "mobilenet-v2": {"image_size": 224},
     "bert-base": {"num_layers": 1, "seq_len": 128},
 }
@@ -77,6 +78,31 @@ def torch_model(name: str, torch, options: dict):
             x = nn.functional.max_pool2d(torch.relu(self.stem(x)), 3, 2, 1)
             x = self.layers(x)
             return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+    class Bottleneck(nn.Module):
+        """tasks.models.resnet's bottleneck (torchvision v1.5: the stride on the 3x3 conv)."""
+
+        def __init__(self, cin, width, stride):
+            super().__init__()
+            self.c1, self.c2 = nn.Conv2d(cin, width, 1), nn.Conv2d(width, width, 3, stride, 1)
+            self.c3 = nn.Conv2d(width, 4 * width, 1)
+            self.down = nn.Conv2d(cin, 4 * width, 1, stride) if stride != 1 or cin != 4 * width else None
+
+        def forward(self, x):
+            y = self.c3(torch.relu(self.c2(torch.relu(self.c1(x)))))
+            return torch.relu(y + (self.down(x) if self.down is not None else x))
+
+    class ResNet50(ResNet18):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.stem = nn.Conv2d(3, 64, 7, 2, 3)
+            layers, cin = [], 64
+            for stage, count in enumerate((3, 4, 6, 3)):
+                for b in range(count):
+                    layers.append(Bottleneck(cin, 64 * 2 ** stage, 2 if stage > 0 and b == 0 else 1))
+                    cin = 4 * 64 * 2 ** stage
+            self.layers = nn.Sequential(*layers)
+            self.fc = nn.Linear(2048, 1000)
 
     class InvRes(nn.Module):
         def __init__(self, cin, cout, stride, expand):
@@ -149,6 +175,8 @@ def torch_model(name: str, torch, options: dict):
     size = options.get("image_size", 224)
     if name == "resnet-18":
         return ResNet18().eval(), torch.randn(1, 3, size, size)
+    if name == "resnet-50":
+        return ResNet50().eval(), torch.randn(1, 3, size, size)
     if name == "mobilenet-v2":
         return MobileNetV2().eval(), torch.randn(1, 3, size, size)
     if name == "bert-base":
