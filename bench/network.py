@@ -63,22 +63,6 @@ def torch_model(name: str, torch, options: dict):
             y = self.c2(torch.relu(self.c1(x)))
             return torch.relu(y + (self.down(x) if self.down is not None else x))
 
-    class ResNet18(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.stem = nn.Conv2d(3, 64, 7, 2, 3)
-            layers, cin = [], 64
-            for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-                layers += [Basic(cin, cout, stride), Basic(cout, cout, 1)]
-                cin = cout
-            self.layers = nn.Sequential(*layers)
-            self.fc = nn.Linear(512, 1000)
-
-        def forward(self, x):
-            x = nn.functional.max_pool2d(torch.relu(self.stem(x)), 3, 2, 1)
-            x = self.layers(x)
-            return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
-
     class Bottleneck(nn.Module):
         """tasks.models.resnet's bottleneck (torchvision v1.5: the stride on the 3x3 conv)."""
 
@@ -92,17 +76,26 @@ def torch_model(name: str, torch, options: dict):
             y = self.c3(torch.relu(self.c2(torch.relu(self.c1(x)))))
             return torch.relu(y + (self.down(x) if self.down is not None else x))
 
-    class ResNet50(ResNet18):
-        def __init__(self):
-            nn.Module.__init__(self)
+    class ResNet(nn.Module):
+        """tasks.models.resnet: a 7x7 stem and max pool, `stages` blocks of widths 64-512 (each stage after the
+        first starting with a stride of 2), average pool and classifier."""
+
+        def __init__(self, block, stages, expansion):
+            super().__init__()
             self.stem = nn.Conv2d(3, 64, 7, 2, 3)
             layers, cin = [], 64
-            for stage, count in enumerate((3, 4, 6, 3)):
+            for stage, count in enumerate(stages):
+                width = 64 * 2 ** stage
                 for b in range(count):
-                    layers.append(Bottleneck(cin, 64 * 2 ** stage, 2 if stage > 0 and b == 0 else 1))
-                    cin = 4 * 64 * 2 ** stage
+                    layers.append(block(cin, width, 2 if stage > 0 and b == 0 else 1))
+                    cin = width * expansion
             self.layers = nn.Sequential(*layers)
-            self.fc = nn.Linear(2048, 1000)
+            self.fc = nn.Linear(cin, 1000)
+
+        def forward(self, x):
+            x = nn.functional.max_pool2d(torch.relu(self.stem(x)), 3, 2, 1)
+            x = self.layers(x)
+            return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
     class InvRes(nn.Module):
         def __init__(self, cin, cout, stride, expand):
@@ -174,9 +167,9 @@ def torch_model(name: str, torch, options: dict):
 
     size = options.get("image_size", 224)
     if name == "resnet-18":
-        return ResNet18().eval(), torch.randn(1, 3, size, size)
+        return ResNet(Basic, (2, 2, 2, 2), 1).eval(), torch.randn(1, 3, size, size)
     if name == "resnet-50":
-        return ResNet50().eval(), torch.randn(1, 3, size, size)
+        return ResNet(Bottleneck, (3, 4, 6, 3), 4).eval(), torch.randn(1, 3, size, size)
     if name == "mobilenet-v2":
         return MobileNetV2().eval(), torch.randn(1, 3, size, size)
     if name == "bert-base":

@@ -349,6 +349,25 @@ def test_builtin_agreement_names_the_tasks_that_differ():
     assert got["weights_differ"] == ["conv"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet-18", "resnet-50", "mobilenet-v2"])
+def test_the_network_benchmarks_pytorch_models_import_to_the_builtin_networks_tasks(name, tmp_path):
+    """bench network times the PyTorch model's ONNX export as imported; its records carry over to the
+    built-in network a user tunes (`tensortune tune NAME`) only if both have the same tasks and weights
+    (the BERT layer differs and says so in its row). Slow: exporting ResNet-50 takes ten seconds."""
+    from bench.common import limit_threads, llvm_target
+    from bench.network import NETWORK_OPTIONS, builtin_agreement, export_onnx, torch_model
+    from tensortune.flows.tuning import network_tasks
+    from tensortune.tasks.onnx_import import import_onnx
+    with limit_threads(2) as torch:
+        model, example = torch_model(name, torch, NETWORK_OPTIONS[name])
+        graph = import_onnx(export_onnx(model, example, str(tmp_path / f"{name}.onnx"), torch), name=name)
+    target = llvm_target(2)
+    agreement = builtin_agreement(network_tasks(graph, target, (2, 4))[1],
+                                  network_tasks(name, target, (2, 4), **NETWORK_OPTIONS[name])[1])
+    assert agreement["same"], agreement
+
+
 def test_retime_without_the_records_of_a_run_is_one_line_before_anything_starts(tmp_path, monkeypatch, capsys):
     from bench.network import main
     for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
