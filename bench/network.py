@@ -297,12 +297,12 @@ def stored_result(name: str, tasks: list, store: str, form_sets: list):
     reads them: `--retime` times the networks again without tuning. Every task must have a stored program:
     one built with the runtime's default schedule would be timed as if it were tuned."""
     from tensortune.flows.tuning import NetworkTuner
+    from tensortune.search.task_scheduler import INF_COST, effective_costs
     from tensortune.storage.records import RecordStore
     tuner = NetworkTuner(tasks, 0, None, records=RecordStore(store), network_name=name, form_sets=form_sets)
-    stored = [bool(steps) for steps in tuner.result.best_steps]
-    in_sets = {i for group in form_sets for i in group}
-    missing = [tasks[i].name for i in range(len(tasks)) if i not in in_sets and not stored[i]]
-    missing += [tasks[group[0]].name for group in form_sets if not any(stored[i] for i in group)]
+    # the terms the estimate cannot price: a task, or a group's every form, without a valid program
+    costs = effective_costs(tuner.result.best_costs, tuner.result.form_sets)
+    missing = [t.name for t, cost in zip(tasks, costs) if cost >= INF_COST]
     if missing:
         names = sorted(set(missing))
         raise MissingPrograms(f"--retime: {store} holds no program for {len(missing)} of the {len(tasks)} tasks of "
@@ -350,7 +350,8 @@ def in_network_breakdown(compiled, tasks) -> list[float | None]:
     return [by_key.get(t.workload_key) for t in tasks]
 
 
-def bench_network(name: str, args, torch, folder: str) -> dict:
+def bench_network(name: str, args, torch, folder: str, stored: str | None = None) -> dict:
+    """One network's row; with `stored` (a `retime_store`), its records are timed again, not tuned."""
     from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, build_network
     from tensortune.flows.tuning import network_measurer, network_tasks
     from tensortune.tasks.onnx_import import import_onnx
@@ -366,10 +367,8 @@ def bench_network(name: str, args, torch, folder: str) -> dict:
     feed = graph.random_inputs(args.seed)         # the same inputs for every side
     (input_name,) = feed
 
-    if args.retime:
-        store = retime_store(args.records, name)
-        assert store is not None                  # main checked it before anything started
-        runs = {"gradient": (stored_result(name, tasks, store, net.form_sets()), None)}
+    if stored is not None:
+        runs = {"gradient": (stored_result(name, tasks, stored, net.form_sets()), None)}
     else:
         measurer = network_measurer(net)          # as tune_network and the flow time kernels
         strategies = ["gradient"] + ([] if args.no_round_robin else ["round-robin"])
@@ -509,8 +508,10 @@ def main(argv: list[str]) -> int:
     unknown = [n for n in args.networks if n not in NETWORK_OPTIONS]
     if unknown:
         ap.error(f"unknown network(s) {unknown}; known: {', '.join(NETWORK_OPTIONS)}")
+    stored: dict[str, str | None] = {}          # network -> the records --retime times (`retime_store`)
     if args.retime:
-        missing = [n for n in args.networks if not args.records or retime_store(args.records, n) is None]
+        stored = {n: retime_store(args.records, n) if args.records else None for n in args.networks}
+        missing = [n for n, store in stored.items() if store is None]
         if missing:
             ap.error(f"--retime needs the records of an earlier run: no {args.records or '--records DIR'}/"
                      f"<network>/gradient for {', '.join(missing)}, and {args.records or '--records DIR'} "
@@ -527,7 +528,7 @@ def main(argv: list[str]) -> int:
                   f"FMA peak {env['fma_peak_gflops']} GFLOP/s", flush=True)
             for name in args.networks:
                 try:
-                    rows.append(bench_network(name, args, torch, folder))
+                    rows.append(bench_network(name, args, torch, folder, stored.get(name)))
                 except MissingPrograms as err:
                     print(f"error: {err}", file=sys.stderr)
                     return 2
