@@ -310,7 +310,8 @@ class NetworkTuner:
                  records: RecordStore | None = None, strategy: str = "gradient", objective: Objective | None = None,
                  seed: int = 0, flow_run_id: str = "", network_name: str = "", scheduler_options: dict | None = None,
                  progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None,
-                 resume: bool = True, form_sets: Sequence[Sequence[int]] = (), confirm: int = CONFIRM_TIMINGS):
+                 resume: bool = True, form_sets: Sequence[Sequence[int]] = (), confirm: int = CONFIRM_TIMINGS,
+                 first_round: int | None = None):
         self.trials, self.measurer, self.records, self.progress = trials, measurer, records, progress
         self.confirm = confirm            # timings added to a would-be best (codegen.confirmation)
         self.flow_run_id, self.network_name = flow_run_id, network_name
@@ -325,6 +326,13 @@ class NetworkTuner:
         self.sched = TaskScheduler(tasks, objective=objective, strategy=strategy, seed=seed,
                                    form_sets=form_sets, **(scheduler_options or {}))
         self.per_round = max(1, min(params.num_measures_per_round, trials // len(tasks)))
+        # programs in a task's first round (at most per_round; None: per_round, TVM's warm-up). A short
+        # first round leaves the gradient more of the budget (ResNet-50 with Winograd forms: 36 tasks, so
+        # 3000 trials in rounds of 64 leave it 700 after the warm-up); tried at 16 against 64 on the Xeon,
+        # the estimate ended 2-4 % lower at equal trials in three of three runs, the measured networks within
+        # their noise (-2.6 % to +4.8 %) and the runs took 13-15 % longer (more rounds), so the default stays
+        # TVM's (`python -m bench first_round`; docs/performance.md, "A short first round")
+        self.first_round = first_round
         self.history = [0] * len(tasks)           # programs of each task read from the records
         self.trials_run = [0] * len(tasks)        # ... and measured by this tuner
         self.result = NetworkTuneResult(tasks, [], [], 0, form_sets=[tuple(f) for f in form_sets])
@@ -352,10 +360,17 @@ class NetworkTuner:
     def propose(self, i: int, in_flight: int = 0) -> Proposal:
         """Task i's next batch: up to a round's share of the remaining budget, never measured before.
         in_flight: trials proposed and not yet learned (a round still being measured) count as spent."""
-        n = min(self.per_round, self.trials - self.result.trials - in_flight)
+        n = min(self.round_size(i), self.trials - self.result.trials - in_flight)
         t0 = time.perf_counter()
         batch, scores = propose(self.policies[i], n)
         return Proposal(i, batch, scores, time.perf_counter() - t0)
+
+    def round_size(self, i: int) -> int:
+        """Programs in task i's next round: `first_round` while the scheduler has given it none (a resumed
+        task has had its rounds), `per_round` after."""
+        if self.first_round is not None and self.sched.task_rounds[i] == 0:
+            return max(1, min(self.first_round, self.per_round))
+        return self.per_round
 
     def measure(self, batch: Proposal) -> list[MeasureResult]:
         """Time the batch; a program that would beat its task's best is timed again first."""

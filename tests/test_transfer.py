@@ -160,3 +160,32 @@ def test_bench_network_retimes_a_store_the_flow_wrote_and_names_the_tasks_it_lac
         stored_result("two", [other, mine, newcomer], root, [])
     # of a group of alternative forms (a conv and its Winograd form), one stored program is enough
     assert stored_result("two", [other, mine, newcomer], root, [(1, 2)]).best_steps[2] is None
+
+
+def test_the_first_round_benchmark_refuses_bad_sizes_in_one_line(capsys):
+    from bench.first_round import main
+    for sizes in ("16", "16,16", "0,16", "a,b"):
+        assert main(["resnet-18", "--sizes", sizes]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: --sizes needs two or more distinct positive sizes, got {sizes!r}"
+    assert main(["resnet-18", "--trials", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --trials needs a positive budget, got 0"
+    assert main(["resnet-7"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: unknown network 'resnet-7'; known: ")
+
+
+@pytest.mark.slow
+def test_the_first_round_benchmark_compares_sizes_on_one_budget(tmp_path, capsys):
+    """Both runs spend the whole budget, the short first round in more rounds; both networks pass their
+    check and are timed in pairs."""
+    import json
+
+    from bench.first_round import main
+    out = tmp_path / "row.json"
+    assert main(["resnet-18", "--image-size", "32", "--trials", "40", "--sizes", "2,1", "--pairs", "2",
+                 "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["per_round"] == 2 and row["first_2_rounds"] == 20 and row["first_1_rounds"] > 20
+    assert sum(row["first_2_trials_per_task"]) == sum(row["first_1_trials_per_task"]) == 40
+    assert row["first_2_check"] == row["first_1_check"] == "ok" and row["failed_pairs"] == 0
+    assert row["first_2_ms"] > 0 and row["first_1_ms"] > 0

@@ -148,3 +148,23 @@ def test_two_network_tuners_take_turns_on_one_measurer(tmp_path, measurer):
     warm = {s: set(f.query("round < @n", local_dict={"n": len(tasks)})["steps"]) for s, f in
             ((s, st.read()) for s, st in stores.items())}
     assert warm["gradient"] == warm["round-robin"]
+
+
+def test_a_tasks_first_round_is_short_and_a_resumed_task_has_had_it(tmp_path, measurer):
+    """With `first_round`, a task's first round measures that many programs (the scheduler needs a figure
+    for it, not a full round), later rounds the round size; a task resumed from the store has had its
+    first round."""
+    from tensortune.flows.tuning import NetworkTuner, network_tasks
+    _, tasks = network_tasks(_mlp())
+    params = SearchParams(population=32, sample_init_population=32, num_iters=1, num_measures_per_round=4)
+    assert NetworkTuner(tasks, 10, measurer, params=params).round_size(0) == 4      # by default TVM's full round
+    store = RecordStore(str(tmp_path / "records"))
+    tuner = NetworkTuner(tasks, 10, measurer, params=params, records=store, first_round=2)
+    assert tuner.per_round == 4 and [tuner.round_size(i) for i in range(2)] == [2, 2]
+    while tuner.step():
+        pass
+    sizes = store.read().groupby("round").size().sort_index().tolist()
+    assert sizes == [2, 2, 4, 2] and tuner.result.trials == 10          # two first rounds, then 4, the rest
+    again = NetworkTuner(tasks, 8, measurer, params=params, records=store, first_round=2)
+    assert [again.round_size(i) for i in range(2)] == [4, 4]
+    assert again.step() and len(store.read()) == 14
