@@ -329,10 +329,9 @@ class NetworkTuner:
         # programs in a task's first round (at most per_round; None: per_round, TVM's warm-up). A short
         # first round leaves the gradient more of the budget (ResNet-50 with Winograd forms: 36 tasks, so
         # 3000 trials in rounds of 64 leave it 700 after the warm-up); tried at 16 against 64 on the Xeon,
-        # the estimate ended 2-4 % lower at equal trials in three of three runs, but the measured networks
-        # moved within their noise (-2.6 % to +4.8 %) and ResNet-50's runs took 13-15 % longer (more
-        # rounds), so the default stays TVM's (`python -m bench first_round`; docs/performance.md, "A short
-        # first round")
+        # the estimate ended 1.6-3.6 % lower at equal trials in four of four runs, but the measured networks
+        # did not follow beyond their noise and the runs took up to 28 % longer (more rounds), so the
+        # default stays TVM's (`python -m bench first_round`; docs/performance.md, "A short first round")
         self.first_round = first_round
         self.history = [0] * len(tasks)           # programs of each task read from the records
         self.trials_run = [0] * len(tasks)        # ... and measured by this tuner
