@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 from bench.common import PAIRS, compare, environment, in_process, llvm_target, print_table, write_json
-from bench.network import take_turns, trials_to_reach
+from bench.network import take_turns, trials_to_reach, tuned_programs
 from tensortune.tasks.winograd import parse_tiles
 
 
@@ -74,8 +74,7 @@ def main(argv: list[str]) -> int:
     results = {size: t.result for size, t in tuners.items()}
     networks = {}
     for size, res in results.items():
-        best = {t.workload_key: s for t, s in zip(tasks, res.best_steps) if s}
-        costs = {t.workload_key: c for t, c in zip(tasks, res.best_costs)}
+        best, costs = tuned_programs(res)
         networks[size] = build_network(net, best, target, costs)
     checks = {size: n.check() for size, n in networks.items()}
     for n in networks.values():

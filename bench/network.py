@@ -312,6 +312,12 @@ def stored_result(name: str, tasks: list, store: str, form_sets: list):
     return tuner.result
 
 
+def tuned_programs(result) -> tuple[dict[str, str], dict[str, float]]:
+    """A NetworkTuneResult's best programs and their costs by workload key, as build_network takes them."""
+    best = {t.workload_key: s for t, s in zip(result.tasks, result.best_steps) if s}
+    return best, {t.workload_key: c for t, c in zip(result.tasks, result.best_costs)}
+
+
 def trials_to_reach(curve, target: float) -> int | None:
     for t, obj in curve:
         if obj <= target * (1 + 1e-9):
@@ -378,8 +384,7 @@ def bench_network(name: str, args, torch, folder: str, stored: str | None = None
         finally:
             measurer.close()      # its runner's thread pool must not meet the timings below
     grad, wall = runs["gradient"]
-    best = {t.workload_key: s for t, s in zip(tasks, grad.best_steps) if s}
-    costs = {t.workload_key: c for t, c in zip(tasks, grad.best_costs)}
+    best, costs = tuned_programs(grad)
     built = {"default": build_network(net, None, target), "tuned": build_network(net, best, target, costs),
              # the same tuned programs with their weights in the plain layout: what the layout rewrite buys
              "plain": build_network(net, best, target, costs, layout_rewrite=False)}
