@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 
@@ -189,14 +190,18 @@ def export_onnx(model, example, path: str, torch) -> str:
     return path
 
 
-def ort_session(path: str, threads: int):
-    """ONNX Runtime on the CPU: all graph optimizations, `threads` intra-op threads, sequential."""
+def ort_session(path: str, threads: int, profile_prefix: str | None = None):
+    """ONNX Runtime on the CPU: all graph optimizations, `threads` intra-op threads, sequential; with
+    `profile_prefix`, its per-node profile on (written by end_profiling())."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
     return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
 
@@ -356,6 +361,44 @@ def in_network_breakdown(compiled, tasks) -> list[float | None]:
     return [by_key.get(t.workload_key) for t in tasks]
 
 
+ORT_PROFILE_PASSES = 40
+
+
+def ort_breakdown(path: str, threads: int, feed: dict, net, tasks,
+                  passes: int = ORT_PROFILE_PASSES) -> tuple[list[float | None], float]:
+    """ms per call of each task's ONNX nodes inside ONNX Runtime's run of the same file, set beside
+    in_network_breakdown: where ORT's kernels beat ours, layer by layer. ORT's own profile (per node, the
+    median of `passes` runs) in a session of its own, so the timed one carries no profiler. `net` runs one
+    form per group (resolve_forms). ORT names a node it keeps after the ONNX node, and a node it rewrote
+    for its NCHWc kernels after the tensor it writes plus `_nchwc` (ORT 1.32); our graph's nodes are
+    named after the tensors they write (tasks.onnx_import). Also returns the ms per run of the nodes
+    found in no task (ORT's layout reorders, views)."""
+    sess = ort_session(path, threads, profile_prefix=os.path.join(os.path.dirname(path), "ort-profile"))
+    for _ in range(passes + 5):
+        sess.run(None, feed)
+    with open(sess.end_profiling()) as f:
+        events = json.load(f)
+    per_node: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            per_node.setdefault(e["name"][:-len("_kernel_time")], []).append(e["dur"] / 1e3)
+    # our importer names a node after the tensor it writes; ORT after the ONNX node, or the tensor + _nchwc
+    import onnx
+    output_of = {n.name: n.output[0] for n in onnx.load(path, load_external_data=False).graph.node if n.output}
+    spent = [0.0] * len(net.tasks)
+    unmapped = 0.0
+    for node, ms in per_node.items():
+        tensor = node.removesuffix("_nchwc")
+        names = (node, tensor, output_of.get(node))
+        group = next((net.node_group[k] for k in names if net.node_group.get(k) is not None), None)
+        if group is None:
+            unmapped += statistics.median(ms[-passes:])
+        else:
+            spent[net.groups[group].task] += statistics.median(ms[-passes:])
+    by_key = {t.workload_key: spent[i] / t.weight for i, t in enumerate(net.tasks)}
+    return [by_key.get(t.workload_key) for t in tasks], unmapped
+
+
 def bench_network(name: str, args, torch, folder: str, stored: str | None = None) -> dict:
     """One network's row; with `stored` (a `retime_store`), its records are timed again, not tuned."""
     from tensortune.codegen.network_runtime import NETWORK_TOLERANCE, build_network
@@ -427,6 +470,7 @@ def bench_network(name: str, args, torch, folder: str, stored: str | None = None
              "compiled": in_process(library.run_pointers),
              "torch": in_process(forward), "ort": in_process(lambda: sess.run(None, feed))}
     cmp = compare(sides, args.pairs)
+    ort_ms, ort_unmapped_ms = ort_breakdown(path, args.threads, feed, net, tasks)
 
     row = {"network": name, "options": options, "onnx_inputs": {input_name: list(feed[input_name].shape)},
            "tasks": len(tasks), "trials": grad.trials, "target": target, "builtin_agreement": agreement,
@@ -441,7 +485,9 @@ def bench_network(name: str, args, torch, folder: str, stored: str | None = None
            "task_weights": [t.weight for t in tasks], "workload_keys": [t.workload_key for t in tasks],
            # each task's time per call inside the tuned network (all its calls / weight), beside
            # task_best_ms (timed alone by the tuner): where the estimate and the network part
-           "task_in_network_ms": in_network_breakdown(built["tuned"], tasks)}
+           "task_in_network_ms": in_network_breakdown(built["tuned"], tasks),
+           # the same tasks' ONNX nodes in ORT's own per-node profile (ort_breakdown), and ORT's nodes no task has
+           "task_ort_ms": ort_ms, "ort_unmapped_ms": ort_unmapped_ms, "task_labels": [t.label for t in tasks]}
     withhold_failed(row)
     # the estimate against the network as the Python runtime runs it (a ctypes call per kernel, a few us
     # each) and as the compiled library runs it (what a user deploys; a native loop of calls)
@@ -472,6 +518,19 @@ def withhold_failed(row: dict, refs: tuple[str, ...] = ("torch", "ort")) -> dict
             for ref in refs:
                 row[f"{label}_vs_{ref}"] = row[f"{label}_vs_{ref}_pairwise"] = None
     return row
+
+
+def layer_rows(row: dict) -> list[dict]:
+    """Per task the network runs: its calls, ms per call inside our network and inside ORT's, most
+    ms lost to ORT (per network run) first."""
+    rows = []
+    for label, weight, ours, theirs in zip(row["task_labels"], row["task_weights"], row["task_in_network_ms"],
+                                           row["task_ort_ms"]):
+        if ours is None or not theirs:
+            continue
+        rows.append({"task": label, "calls": weight, "ours_ms": ours, "ort_ms": theirs,
+                     "ours_over_ort": ours / theirs, "lost_ms_per_run": (ours - theirs) * weight})
+    return sorted(rows, key=lambda r: -r["lost_ms_per_run"])
 
 
 def printed(row: dict) -> dict:
@@ -550,6 +609,10 @@ def main(argv: list[str]) -> int:
                  "tuned_vs_torch", "tuned_vs_torch_pairwise", "tuned_vs_ort", "tuned_vs_ort_pairwise",
                  "compiled_vs_ort", "tuned_vs_plain",
                  "default_vs_torch", "est_latency_ms", "est_vs_measured", "est_vs_compiled", "pairs_ok"])
+    for r in rows:
+        print(f"{r['network']} per task, inside each network (ORT's own profile; its nodes in no task: "
+              f"{r['ort_unmapped_ms']:.3f} ms a run):")
+        print_table(layer_rows(r), ["task", "calls", "ours_ms", "ort_ms", "ours_over_ort", "lost_ms_per_run"])
     if any("rr_trials" in r for r in rows):
         print_table(rows, ["network", "gradient_final_objective_ms", "rr_final_objective_ms", "rr_trials",
                            "gradient_trials_to_rr_final"])
