@@ -21,6 +21,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -352,51 +353,64 @@ def network_options(name: str, args) -> dict:
     return options
 
 
-def in_network_breakdown(compiled, tasks) -> list[float | None]:
-    """ms per call of each task inside the network (CompiledNetwork.profile: all its calls / weight), to
-    set beside the tuner's task_best_ms; an attribution of the estimate's gap, never a compared speed.
-    None for a task the network does not run (the other form of a group with alternatives)."""
-    spent = compiled.profile()
-    by_key = {k.workload_key: spent[i] / k.weight * 1e3 for i, k in enumerate(compiled.kernels)}
-    return [by_key.get(t.workload_key) for t in tasks]
+LAYER_BLOCKS, LAYER_PASSES = 4, 10
 
 
-ORT_PROFILE_PASSES = 40
+@dataclass
+class LayerBreakdown:
+    """ms per call of each task (aligned with the benchmark's task list; None where a network runs no
+    call of it): inside our network, and of its ONNX nodes inside ORT's run of the same file."""
+    ours_ms: list[float | None]
+    ort_ms: list[float | None]
+    ort_unmapped_ms: float          # per run: ORT's nodes that no task computes (its layout reorders)
 
 
-def ort_breakdown(path: str, threads: int, feed: dict, net, tasks,
-                  passes: int = ORT_PROFILE_PASSES) -> tuple[list[float | None], float]:
-    """ms per call of each task's ONNX nodes inside ONNX Runtime's run of the same file, set beside
-    in_network_breakdown: where ORT's kernels beat ours, layer by layer. ORT's own profile (per node, the
-    median of `passes` runs) in a session of its own, so the timed one carries no profiler. `net` runs one
-    form per group (resolve_forms). ORT names a node it keeps after the ONNX node, and a node it rewrote
-    for its NCHWc kernels after the tensor it writes plus `_nchwc` (ORT 1.32); our graph's nodes are
-    named after the tensors they write (tasks.onnx_import). Also returns the ms per run of the nodes
-    found in no task (ORT's layout reorders, views)."""
+def layer_breakdown(compiled, path: str, threads: int, feed: dict, net, tasks,
+                    blocks: int = LAYER_BLOCKS, passes: int = LAYER_PASSES) -> LayerBreakdown:
+    """Where the network's time goes, task by task, in ours and in ORT: CompiledNetwork.profile (each
+    kernel timed alone inside the network; all its calls / weight) and ORT's own per-node profile, in
+    `blocks` alternating blocks of `passes` runs each, so the machine's drift (a shared VM's speed moved
+    by half within minutes) meets both alike. The medians per block, then across blocks; set beside the
+    tuner's task_best_ms it attributes the estimate's gap, beside ORT's it says where ORT's kernels beat
+    ours. Never a compared speed of the networks: that is `compare`'s. A profiled ORT session of its own,
+    so the timed one carries no profiler. `net` runs one form per group (resolve_forms). ORT names a node
+    it keeps after the ONNX node, and a node it rewrote for its NCHWc kernels after the tensor it writes
+    plus `_nchwc` (ORT 1.32); our graph's nodes are named after the tensors they write
+    (tasks.onnx_import)."""
+    import onnx
     sess = ort_session(path, threads, profile_prefix=os.path.join(os.path.dirname(path), "ort-profile"))
-    for _ in range(passes + 5):
+    warm_up = 3
+    for _ in range(warm_up):
         sess.run(None, feed)
+    ours_blocks = []
+    for _ in range(blocks):
+        ours_blocks.append(compiled.profile(passes))   # its untimed first run absorbs ORT's spinning threads
+        for _ in range(passes):
+            sess.run(None, feed)
     with open(sess.end_profiling()) as f:
         events = json.load(f)
     per_node: dict[str, list[float]] = {}
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
             per_node.setdefault(e["name"][:-len("_kernel_time")], []).append(e["dur"] / 1e3)
-    # our importer names a node after the tensor it writes; ORT after the ONNX node, or the tensor + _nchwc
-    import onnx
     output_of = {n.name: n.output[0] for n in onnx.load(path, load_external_data=False).graph.node if n.output}
-    spent = [0.0] * len(net.tasks)
+    ort_spent = [0.0] * len(net.tasks)
     unmapped = 0.0
     for node, ms in per_node.items():
+        runs = ms[warm_up:]
+        block_medians = [statistics.median(runs[b * passes:(b + 1) * passes]) for b in range(blocks)]
         tensor = node.removesuffix("_nchwc")
-        names = (node, tensor, output_of.get(node))
-        group = next((net.node_group[k] for k in names if net.node_group.get(k) is not None), None)
+        group = next((net.node_group[k] for k in (node, tensor, output_of.get(node))
+                      if net.node_group.get(k) is not None), None)
         if group is None:
-            unmapped += statistics.median(ms[-passes:])
+            unmapped += statistics.median(block_medians)
         else:
-            spent[net.groups[group].task] += statistics.median(ms[-passes:])
-    by_key = {t.workload_key: spent[i] / t.weight for i, t in enumerate(net.tasks)}
-    return [by_key.get(t.workload_key) for t in tasks], unmapped
+            ort_spent[net.groups[group].task] += statistics.median(block_medians)
+    ours = {k.workload_key: statistics.median(b[i] for b in ours_blocks) / k.weight * 1e3
+            for i, k in enumerate(compiled.kernels)}
+    theirs = {t.workload_key: ort_spent[i] / t.weight for i, t in enumerate(net.tasks)}
+    return LayerBreakdown([ours.get(t.workload_key) for t in tasks], [theirs.get(t.workload_key) for t in tasks],
+                          unmapped)
 
 
 def bench_network(name: str, args, torch, folder: str, stored: str | None = None) -> dict:
@@ -470,7 +484,7 @@ def bench_network(name: str, args, torch, folder: str, stored: str | None = None
              "compiled": in_process(library.run_pointers),
              "torch": in_process(forward), "ort": in_process(lambda: sess.run(None, feed))}
     cmp = compare(sides, args.pairs)
-    ort_ms, ort_unmapped_ms = ort_breakdown(path, args.threads, feed, net, tasks)
+    layers = layer_breakdown(built["tuned"], path, args.threads, feed, net, tasks)
 
     row = {"network": name, "options": options, "onnx_inputs": {input_name: list(feed[input_name].shape)},
            "tasks": len(tasks), "trials": grad.trials, "target": target, "builtin_agreement": agreement,
@@ -485,9 +499,10 @@ def bench_network(name: str, args, torch, folder: str, stored: str | None = None
            "task_weights": [t.weight for t in tasks], "workload_keys": [t.workload_key for t in tasks],
            # each task's time per call inside the tuned network (all its calls / weight), beside
            # task_best_ms (timed alone by the tuner): where the estimate and the network part
-           "task_in_network_ms": in_network_breakdown(built["tuned"], tasks),
-           # the same tasks' ONNX nodes in ORT's own per-node profile (ort_breakdown), and ORT's nodes no task has
-           "task_ort_ms": ort_ms, "ort_unmapped_ms": ort_unmapped_ms, "task_labels": [t.label for t in tasks]}
+           "task_in_network_ms": layers.ours_ms,
+           # the same tasks' ONNX nodes in ORT's own per-node profile, and ORT's nodes no task computes
+           "task_ort_ms": layers.ort_ms, "ort_unmapped_ms": layers.ort_unmapped_ms,
+           "task_labels": [t.label for t in tasks]}
     withhold_failed(row)
     # the estimate against the network as the Python runtime runs it (a ctypes call per kernel, a few us
     # each) and as the compiled library runs it (what a user deploys; a native loop of calls)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from bench.network import layer_rows, ort_breakdown
+from bench.network import layer_breakdown, layer_rows
+from tensortune.codegen.network_runtime import build_network
 from tensortune.flows.tuning import network_tasks
 from tensortune.tasks.onnx_import import import_onnx
 
@@ -41,19 +42,21 @@ def _two_block_net(path: str) -> str:
     return path
 
 
-def test_every_conv_task_gets_the_time_of_its_nodes_in_orts_profile(tmp_path):
+def test_each_task_gets_its_time_in_our_network_and_its_nodes_time_in_orts_profile(tmp_path):
     path = _two_block_net(str(tmp_path / "net.onnx"))
     graph = import_onnx(path, name="two_blocks")
     net, tasks = network_tasks(graph, "llvm -num-threads=2")
-    ort_ms, unmapped_ms = ort_breakdown(path, 2, graph.random_inputs(0), net, tasks, passes=5)
-    assert len(ort_ms) == len(tasks)
-    found = dict(zip([t.name for t in tasks], ort_ms))
+    compiled = build_network(net, None, "llvm -num-threads=2")
+    layers = layer_breakdown(compiled, path, 2, graph.random_inputs(0), net, tasks, blocks=2, passes=3)
+    assert len(layers.ours_ms) == len(layers.ort_ms) == len(tasks)
+    assert all(ms is not None and ms > 0 for ms in layers.ours_ms), layers.ours_ms
+    theirs = dict(zip([t.name for t in tasks], layers.ort_ms))
     # our NCHW -> NHWC transpose has no ORT node of its own (ORT reorders to NCHWc instead: unmapped)
-    assert sorted(found) == ["conv2d_nhwc_bias_add_relu", "conv2d_nhwc_bias_relu", "dense_bias",
-                             "global_avg_pool2d_nhwc", "transpose"]
-    assert found.pop("transpose") == 0.0
-    assert all(ms > 0 for ms in found.values()), found
-    assert unmapped_ms > 0
+    assert sorted(theirs) == ["conv2d_nhwc_bias_add_relu", "conv2d_nhwc_bias_relu", "dense_bias",
+                              "global_avg_pool2d_nhwc", "transpose"]
+    assert theirs.pop("transpose") == 0.0
+    assert all(ms is not None and ms > 0 for ms in theirs.values()), theirs
+    assert layers.ort_unmapped_ms > 0
     # ORT's profile files go beside the model, not into the working folder
     assert list(tmp_path.glob("ort-profile*.json"))
 

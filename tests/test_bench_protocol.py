@@ -31,8 +31,9 @@ ALLOWED = {
     ("common.py", "_perf_clock"): "the host clock of bench.common.measure (the one protocol)",
     ("common.py", "cuda_clock"): "the CUDA-event clock of bench.common.measure on the GPU",
     ("common.py", "Stopwatch"): "wall time of one event (a tuning run, a query), never a compared speed",
-    ("network.py", "in_network_breakdown"): "per-task time inside the tuned network, set beside the tuner's "
-                                            "estimate to attribute the gap; never a compared speed",
+    ("network.py", "layer_breakdown"): "per-task time inside the tuned network and inside ORT's (its own "
+                                       "profile), in alternating blocks: where the time goes, set beside the "
+                                       "tuner's estimate and ORT's kernels; never a compared speed of networks",
     ("tune_cuda.py", "verify_job"): "the tuned CUDA kernel timed in its worker process by CUDAKernel.time, "
                                      "the same protocol (median of batches of >= 200 ms, CUDA events)",
 }
