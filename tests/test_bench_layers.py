@@ -1,7 +1,7 @@
-"""bench network's per-task comparison with ONNX Runtime (a test dependency): ORT's own per-node profile,
-each node given to the task whose kernel computes it. ORT renames the convs it rewrites for its NCHWc kernels (after the
-tensor they write), so a real session is profiled here: a lookup by ONNX node name alone would find
-none of them, and the table would show no conv at all."""
+"""bench network's per-task comparison with ONNX Runtime (a test dependency): ORT's own per-node
+profile, each node given to the task whose kernel computes it. ORT renames the nodes it rewrites for its
+NCHWc kernels (after the tensor they write), so a real session is profiled here: a lookup by ONNX node
+name alone would find none of the convs, and the table would show no conv at all."""
 from __future__ import annotations
 
 import numpy as np
