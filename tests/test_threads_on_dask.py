@@ -62,7 +62,8 @@ def test_the_flow_runs_a_kernel_on_the_targets_threads_under_the_nannys_one_thre
     env = deployed_worker.run(lambda: os.environ.get("OMP_NUM_THREADS"))
     assert list(env.values()) == ["1"], env
     task2, steps = _program(2)
-    (timed,) = DaskMeasurer(deployed_worker, timing=TIMING).measure(task2, [steps])
+    with DaskMeasurer(deployed_worker, timing=TIMING) as flow:
+        (timed,) = flow.measure(task2, [steps])
     assert timed.ok, timed.error_msg
 
 
