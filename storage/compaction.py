@@ -14,9 +14,10 @@ by default) has passed. For RecordStore readers a retired input is simply gone, 
 so the reasoning above is unchanged; what the grace period is for, and why raw readers also need a
 hold, storage.superseded says.
 
-The merged file's row group 0 holds the best successful row of each (workload_key, network) in it, the
-other rows follow sorted by workload_key then time. The best-record query then reads one small row group
-per merged file, and one-task queries skip every row group whose workload_key range misses the task.
+The merged file's row group 0 holds the best successful row of each (workload_key, network) in it and
+every re-timing row (storage.queries.competing_mask), the other rows follow sorted by workload_key then
+time. The best-record query then reads one small row group per merged file (and, for a task timed again,
+its rows since then), and one-task queries skip every row group whose workload_key range misses the task.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -264,7 +264,7 @@ def _write_merged(table: pa.Table, out: Any, row_group_rows: int) -> None:
     narrow = table.select(["workload_key", "network", "mean_latency", "error_code", "timestamp",
                            "record_id"]).to_pandas()
     leaders = best_positions(narrow, ["workload_key", "network"])
-    is_leader = np.zeros(table.num_rows, dtype=bool)
+    is_leader = table.column("retiming").to_numpy(zero_copy_only=False).astype(bool)
     is_leader[leaders] = True
     head = table.filter(pa.array(is_leader))
     head = head.take(pc.sort_indices(head, [("workload_key", "ascending")]))

@@ -37,6 +37,38 @@ def best_positions(frame: pd.DataFrame, by: list[str]) -> np.ndarray:
     return keys.drop_duplicates(by, keep="first")["_position"].to_numpy()
 
 
+def competing_mask(frame: pd.DataFrame, by: list[str], retimings: pd.DataFrame | None = None) -> np.ndarray:
+    """Which rows of `frame` compete for their `by` group's best: those at or after the group's newest
+    re-timing (a `retiming` row of `retimings`, by default of `frame` itself; every row of a group that
+    has none).
+
+    A run that resumes times its tasks' stored best programs again (flows.tuning.retime_stored_bests),
+    all of one task's at one timestamp, because a timing from another night is not comparable with
+    tonight's: on a shared VM the same kernel ran 1.5-1.9 times slower in one hour than in another, and
+    a stored figure from a fast hour stays below everything a slow night measures. From that re-timing
+    on, the task's older records are history (they still count as measured and train the cost model)
+    but no longer its best: the re-timed programs carry the stored bests forward at tonight's speed.
+    One rule for both readers, the best-record query and a resumed search."""
+    retimings = frame if retimings is None else retimings
+    if frame.empty or retimings.empty or not retimings["retiming"].to_numpy(dtype=bool).any():
+        return np.ones(len(frame), dtype=bool)
+    retimed = retimings[retimings["retiming"].to_numpy(dtype=bool)]
+    newest = retimed.groupby(by, observed=True)["timestamp"].max().rename("_baseline").reset_index()
+    baseline = frame[by].merge(newest, on=by, how="left")["_baseline"]
+    stamps = frame["timestamp"].reset_index(drop=True)
+    return (baseline.isna() | (stamps >= baseline)).to_numpy(dtype=bool)
+
+
+def incumbent_steps(frame: pd.DataFrame, k: int) -> list[str]:
+    """The steps of one task's `k` fastest distinct programs among its competing successful records
+    (frame: that task's records on one target), fastest first: what a resumed run times again."""
+    if frame.empty or k < 1:
+        return []
+    live = frame[competing_mask(frame, ["workload_key"]) & ok_mask(frame)]
+    ranked = live.sort_values(["mean_latency", "timestamp"], kind="stable").drop_duplicates("steps")
+    return [str(s) for s in ranked["steps"].head(k)]
+
+
 def task_counts(table: pa.Table, by: list[str]) -> pd.DataFrame:
     """Records and errors per `by` group (table needs `by` and `error_code`); grouped in Arrow, which
     is several times faster than pandas on a million string keys."""

@@ -26,6 +26,7 @@ from tensortune.storage.integrity import check_policy, find_bad_files, handle_ba
 from tensortune.storage.layout import date_segment, new_data_name, target_segment
 from tensortune.storage.queries import (
     best_positions,
+    competing_mask,
     error_table,
     history_table,
     ok_expression,
@@ -183,13 +184,15 @@ class RecordStore:
         return frame_to_records(self.read(**filters))
 
     def best_per_task(self, network: str | None = None, target: str | None = None) -> pd.DataFrame:
-        """The fastest successful record of each task (workload_key) on each target, with the task's
-        record and error counts (n_records, n_errors). `network` keeps only records measured for that
-        network. Tasks with no successful record are left out (see error_counts())."""
+        """The fastest successful record of each task (workload_key) on each target, among those since
+        its newest re-timing (storage.queries.competing_mask), with the task's record and error counts
+        (n_records, n_errors). `network` keeps only records measured for that network (and its
+        re-timings). Tasks with no successful record are left out (see error_counts())."""
         network_filter = _match("network", network)
         candidates = self._scanner.scan(list(RECORD_COLUMNS),
                                         _all_of(ok_expression(), network_filter),
                                         _targets(target), leaders=True).to_pandas()
+        candidates = self._competing(candidates, network_filter, target)
         best = candidates.iloc[best_positions(candidates, ["target", "workload_key"])]
         counted = self._scanner.scan(["target", "workload_key", "error_code"], network_filter,
                                      _targets(target))
@@ -197,6 +200,23 @@ class RecordStore:
         table = best.merge(counts, on=["target", "workload_key"], how="left")
         return table.sort_values(["target", "task_name", "workload_key"],
                                  kind="stable").reset_index(drop=True)
+
+    def _competing(self, leaders: pd.DataFrame, network_filter: pc.Expression | None,
+                   target: str | None) -> pd.DataFrame:
+        """The best-record candidates under storage.queries.competing_mask: `leaders` as they are for
+        tasks never re-timed; for a re-timed task, its successful records since its newest re-timing,
+        read in full (a compaction's leaders are the best rows of each file, which may all be older)."""
+        by = ["target", "workload_key"]
+        retimings = self._scanner.scan([*by, "timestamp", "retiming"], _all_of(pc.field("retiming"), network_filter),
+                                       _targets(target), leaders=True).to_pandas()     # compaction keeps them there
+        if retimings.empty:
+            return leaders
+        recent = self._scanner.scan(list(RECORD_COLUMNS), _all_of(
+            ok_expression(), network_filter, _match("workload_key", sorted(set(retimings["workload_key"]))),
+            pc.field("timestamp") >= pa.scalar(retimings["timestamp"].min(), type=pa.timestamp("us", tz="UTC"))),
+            _targets(target)).to_pandas()
+        merged = pd.concat([leaders, recent], ignore_index=True).drop_duplicates("record_id")
+        return merged[competing_mask(merged, by, retimings)].reset_index(drop=True)
 
     def history(self, task: str, *, target: str | None = None, network: str | None = None,
                 per: str = "run") -> pd.DataFrame:

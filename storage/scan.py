@@ -99,7 +99,7 @@ class Scanner:
         """Rows of the matching files, with `columns` (missing-in-old-files columns defaulted).
 
         `leaders` reads only row group 0 of compaction outputs: the best row of each (task, network)
-        in that file, which is all the best-record query needs from it.
+        in that file and its re-timing rows, which is all the best-record query needs to start from.
         """
         for attempt in range(_ATTEMPTS):
             if attempt:

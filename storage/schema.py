@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 import pandas as pd
 import pyarrow as pa
 
-SCHEMA_VERSION = 4   # 2: num_threads; 3: task_label; 4: kernel
+SCHEMA_VERSION = 5   # 2: num_threads; 3: task_label; 4: kernel; 5: retiming
 
 # TVM's auto_scheduler MeasureErrorNo, so error codes mean the same thing in both tools.
 ERROR_NAMES: dict[int, str] = {
@@ -78,6 +78,9 @@ class MeasureRecord:
     tool_version: str = TOOL_VERSION
     flops: float = math.nan  # the task's FLOP count
     num_threads: int = 0  # CPU threads the kernel was timed on (0: a GPU kernel, or written before v2)
+    # a stored program timed again when a run resumed: the task's records older than its newest
+    # re-timing no longer compete for its best (storage.queries.competing_mask says why)
+    retiming: bool = False
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -122,6 +125,7 @@ FILE_SCHEMA = pa.schema([
     ("tool_version", pa.string()),
     ("flops", pa.float64()),
     ("num_threads", pa.int32()),
+    ("retiming", pa.bool_()),
     ("schema_version", pa.int32()),
 ])
 
@@ -138,12 +142,12 @@ REQUIRED_COLUMNS: tuple[str, ...] = ("record_id", "workload_key", "steps", "mean
 
 # What a column reads as in a file written before the column existed. A version that adds a column adds
 # its default here (version 2 added num_threads: 0, "not recorded"; version 3 task_label: ""; version 4
-# kernel: "").
+# kernel: ""; version 5 retiming: False).
 COLUMN_DEFAULTS: dict[str, Any] = {
     "flow_run_id": "", "round": 0, "task_name": "", "network": "", "host": "", "latencies": [],
     "gflops": math.nan, "error_msg": "", "build_seconds": math.nan, "run_seconds": math.nan,
     "model_version": "", "predicted_score": math.nan, "tool_version": "unknown", "flops": math.nan,
-    "num_threads": 0, "task_label": "", "kernel": "",
+    "num_threads": 0, "task_label": "", "kernel": "", "retiming": False,
 }
 
 if set(RECORD_COLUMNS) != {f.name for f in fields(MeasureRecord)}:
@@ -202,6 +206,7 @@ def _row_to_record(row: Iterable[Any]) -> MeasureRecord:
     values["latencies"] = [float(x) for x in values["latencies"]]
     for name in ("round", "error_code", "num_threads", "schema_version"):
         values[name] = int(values[name])
+    values["retiming"] = bool(values["retiming"])
     for name in ("mean_latency", "gflops", "build_seconds", "run_seconds", "predicted_score", "flops"):
         values[name] = float(values[name])
     for name in ("record_id", "flow_run_id", "workload_key", "task_name", "network", "target", "host",

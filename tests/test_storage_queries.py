@@ -12,12 +12,13 @@ T0 = datetime(2026, 5, 1, tzinfo=timezone.utc)
 
 
 def _r(key: str, latency: float, *, target: str = "llvm", network: str = "bert", run: str = "run-1",
-       round: int = 0, minutes: int = 0, error: int = 0, steps: str | None = None) -> MeasureRecord:
+       round: int = 0, minutes: int = 0, error: int = 0, steps: str | None = None,
+       retiming: bool = False) -> MeasureRecord:
     return MeasureRecord(workload_key=key, task_name=f"task-{key}", target=target, network=network,
                          flow_run_id=run, round=round, timestamp=T0 + timedelta(minutes=minutes),
                          steps=steps or f"[{key},{latency},{minutes},{error}]",
                          latencies=[] if error else [latency], error_code=error,
-                         mean_latency=math.inf if error else math.nan, flops=1e9)
+                         mean_latency=math.inf if error else math.nan, flops=1e9, retiming=retiming)
 
 
 @pytest.fixture
@@ -92,6 +93,35 @@ def test_resume_and_training_rows(store):
     assert (key, flops, code) == ("b", 1e9, 0) and latency in (5e-3, 6e-3)
     records = store.load_records(flow_run_id="run-2")
     assert [r.round for r in records] == [0, 1, 1]
+
+
+def test_a_tasks_records_before_its_newest_retiming_no_longer_compete_for_its_best(tmp_path):
+    """A night that times a task's stored bests again (slower: a slow hour of the VM) makes them, and
+    what it measures after, the candidates for the task's best; the older, faster figures are history.
+    The same answer from part files, from a compacted file (whose leaders are all older), and with a
+    newer part file beside it; tasks never timed again keep their best; a failed re-timing still counts."""
+    store = RecordStore(str(tmp_path), auto_compact=None)
+    store.append([_r("a", 1.0e-3, minutes=0, steps="p"), _r("a", 1.2e-3, minutes=1, steps="q"),
+                  _r("a", 3.0e-3, minutes=2, steps="s"), _r("b", 2e-3, minutes=3), _r("c", 1e-3, minutes=4, steps="u")])
+    store.append([_r("a", 1.6e-3, minutes=60, steps="p", run="run-2", retiming=True),
+                  _r("a", 1.7e-3, minutes=60, steps="q", run="run-2", retiming=True),
+                  _r("a", 1.5e-3, minutes=61, steps="r", run="run-2"),
+                  _r("c", 1, minutes=60, steps="u", run="run-2", error=4, retiming=True)])
+
+    def best() -> dict[str, tuple[str, float]]:
+        frame = store.best_per_task()
+        return {r.workload_key: (r.steps, r.mean_latency) for r in frame.itertuples()}
+    expected = {"a": ("r", 1.5e-3), "b": ("[b,0.002,3,0]", 2e-3)}      # "c": its only program failed tonight
+    assert best() == expected
+    assert store.best_per_task(network="bert")["workload_key"].tolist() == ["a", "b"]
+    assert store.compact().output_files == 1
+    assert best() == expected
+    store.append([_r("a", 1.55e-3, minutes=62, steps="t", run="run-2"), _r("c", 2e-3, minutes=63, steps="v",
+                                                                          run="run-2")])
+    assert best() == {**expected, "c": ("v", 2e-3)}
+    # the counts still count every record
+    counts = store.best_per_task().set_index("workload_key")
+    assert counts.loc["a", "n_records"] == 7 and counts.loc["c", "n_errors"] == 1
 
 
 def test_since_finds_records_stamped_after_the_day_their_file_was_written(tmp_path):
