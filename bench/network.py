@@ -240,8 +240,10 @@ def tune(name: str, tasks: list, trials: int, strategies: list[str], seed: int, 
     home = records or tempfile.mkdtemp(prefix="tensortune-bench-network-")
 
     def tuner(label: str, budget: int, strategy: str = "round-robin") -> NetworkTuner:
+        # retime=0: a strategy resumes from the warm-up made minutes ago on this measurer, and both must
+        # start from the same bests
         return NetworkTuner(tasks, budget, measurer, strategy=strategy, seed=seed, network_name=name,
-                            records=RecordStore(os.path.join(home, label)), form_sets=form_sets or (),
+                            records=RecordStore(os.path.join(home, label)), form_sets=form_sets or (), retime=0,
                             progress=lambda i, log, r: print(
                                 f"  {name} [{label}] {r.trials}/{budget} trials, task {i} best "
                                 f"{log.best_gflops:.1f} GFLOP/s, est. {_ms(r.estimated_latency)}", flush=True))

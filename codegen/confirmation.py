@@ -20,8 +20,10 @@ still runs and answers right. Warm timings there have no lucky draws to outvote:
 ever slows a kernel down.
 
 Only programs that would move the best are re-timed, a few a round, so the cost is small against the
-round's own timings. This file needs nothing but the Measurer protocol: the local measurer and the
-cluster's time the confirmations as they time everything else.
+round's own timings. `time_again` times a resumed task's best stored programs the same number of times,
+so a stored best carried into a new night weighs as much as a best confirmed in it. This file needs
+nothing but the Measurer protocol: the local measurer and the cluster's time the confirmations as they
+time everything else.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ from tensortune.tasks.search_task import SearchTask
 CONFIRM_TIMINGS = 2      # timings added to a would-be best (3 in all: one lucky draw weighs a third)
 CONFIRM_PER_PASS = 2     # would-be bests re-timed together in one measure() call
 CONFIRM_PASSES = 3       # calls at most: a program that fails its re-timing lets the next one try
+# a resumed task's best stored programs timed again (time_again) before its run measures anything of
+# it (0: trust the stored timings, as TVM does); flows.tuning.retime_stored_bests says why
+RETIME_PROGRAMS = 3
 
 
 def confirm_new_bests(measurer: Measurer, task: SearchTask, steps_list: Sequence[str],
@@ -76,13 +81,25 @@ def confirm_new_bests(measurer: Measurer, task: SearchTask, steps_list: Sequence
     return out
 
 
-def _merged(first: MeasureResult, again: Sequence[MeasureResult]) -> MeasureResult:
+def time_again(measurer: Measurer, task: SearchTask, steps_list: Sequence[str],
+               timings: int = CONFIRM_TIMINGS) -> list[MeasureResult]:
+    """Each program of `steps_list` timed 1 + `timings` times in one measure() call (the measurers build
+    a program listed more than once once), one result each holding all its timings: a stored program
+    timed again weighs as much as a confirmed best, so the two compare alike."""
+    n = 1 + max(timings, 0)
+    results = measurer.measure(task, [s for s in steps_list for _ in range(n)])
+    return [_merged(results[k * n], results[k * n + 1:(k + 1) * n], "timed again")
+            for k in range(len(steps_list))]
+
+
+def _merged(first: MeasureResult, again: Sequence[MeasureResult],
+            why: str = "timed again before it became the best") -> MeasureResult:
     """One program's result from its first timing and its re-timings: all costs, the first failure."""
     costs = list(first.costs) + [c for r in again for c in r.costs]
     failed = next((r for r in again if not r.ok), None)
     run_seconds = first.run_seconds + sum(r.run_seconds for r in again)
     if failed is not None:
         return replace(first, costs=costs, error_code=failed.error_code, run_seconds=run_seconds,
-                       error_msg=f"timed again before it became the best: {failed.error_msg}")
+                       error_msg=f"{why}: {failed.error_msg}")
     return replace(first, costs=costs, run_seconds=run_seconds)
 

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from tensortune.codegen.confirmation import RETIME_PROGRAMS
 from tensortune.flows.cli_app import app
 from tensortune.flows.cli_input import (
     USAGE,
@@ -119,6 +120,8 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
             model: str = typer.Option("xgb", help="cost model: xgb (Ansor's regression), xgb-rank (pairwise "
                                                    "ranking) or random"),
             per_round: int = typer.Option(64, help="measurements per round"),
+            retime: int = typer.Option(RETIME_PROGRAMS, min=0, help="time the best N stored programs again first, "
+                                       "so the run compares with today's figures (0: trust the stored timings)"),
             seed: int = typer.Option(0)) -> None:
     """Tune one operator and print the best program's schedule and loop nest."""
     from tensortune.flows.tuning import tune_task
@@ -149,7 +152,7 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
                 bar.update(pid, completed=log.trials, round=log.round, best=log.best_gflops, model=model)
 
             result = tune_task(task, trials, model=cost_model, params=SearchParams(num_measures_per_round=per_round),
-                               records=store, seed=seed, flow_run_id=run_id, progress=progress)
+                               records=store, seed=seed, flow_run_id=run_id, progress=progress, retime=retime)
     except KeyboardInterrupt:
         interrupted(store, run_id)
     if result.best_steps is None:

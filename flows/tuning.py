@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from typing import Callable, Sequence
 
-from tensortune.codegen.confirmation import CONFIRM_TIMINGS, confirm_new_bests
+from tensortune.codegen.confirmation import CONFIRM_TIMINGS, RETIME_PROGRAMS, confirm_new_bests, time_again
 from tensortune.codegen.kernel_identity import PREFIX as KERNEL_PREFIX
 from tensortune.codegen.kernel_identity import KernelIdentity
 from tensortune.codegen.measure import LocalRunner, Measurer, MeasureResult, ProgramMeasurer
@@ -24,6 +25,7 @@ from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tensortune.search.task_scheduler import INF_COST, Objective, TaskScheduler, effective_costs
+from tensortune.storage.queries import competing_mask, incumbent_steps
 from tensortune.storage.records import MeasureRecord, RecordStore
 from tensortune.storage.tasks import TaskStore
 from tensortune.tasks.extract import NetworkTasks, extract_tasks
@@ -88,9 +90,12 @@ def make_model(kind: str | CostModel, seed: int = 0, warmup: int = WARMUP_PROGRA
 
 def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureResult], *, round_: int,
                flow_run_id: str = "", network: str = "", model_version: str = "",
-               scores: list[float] | None = None, kernels: list[str] | None = None) -> list[MeasureRecord]:
-    """kernels: which kernel each program compiled to (SketchPolicy.kernel_of; "" not known)."""
+               scores: list[float] | None = None, kernels: list[str] | None = None,
+               retiming: bool = False) -> list[MeasureRecord]:
+    """kernels: which kernel each program compiled to (SketchPolicy.kernel_of; "" not known). retiming:
+    stored programs timed again (retime_stored_bests), all stamped with one time."""
     out = []
+    now = datetime.now(timezone.utc)
     for i, (c, r) in enumerate(zip(cands, results)):
         out.append(MeasureRecord(
             workload_key=task.workload_key, target=task.target, steps=c.steps_json,
@@ -99,29 +104,84 @@ def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureRe
             mean_latency=r.latency, error_code=int(r.error_code), error_msg=r.error_msg[:2000],
             build_seconds=r.build_seconds, run_seconds=r.run_seconds, model_version=model_version,
             predicted_score=float(scores[i]) if scores is not None else math.nan, flops=task.flops, host=r.host,
-            num_threads=task.hardware.num_cores if task.target_kind == "llvm" else 0))
+            num_threads=task.hardware.num_cores if task.target_kind == "llvm" else 0, retiming=retiming,
+            timestamp=now))
     return out
 
 
 def resume_policy(policy: SketchPolicy, records: RecordStore) -> int:
-    """Feed the stored history of this task into the policy and its cost model; returns its size."""
+    """Feed the stored history of this task into the policy and its cost model; returns the number of
+    programs in it (a program timed again counts once). Every stored program counts as measured and
+    trains the model; the best is the fastest of the records since the task's newest re-timing
+    (storage.queries.competing_mask), as the best-record query has it."""
     frame = records.records_of(policy.task.workload_key, target=policy.task.target)
     if frame.empty:
         return 0
-    cands, costs, kernels = [], [], []
-    for steps, latency, code, kernel in zip(frame["steps"], frame["mean_latency"], frame["error_code"],
-                                            frame["kernel"]):
+    competing = competing_mask(frame, ["workload_key"])
+    parts: dict[bool, tuple[list[Candidate], list[float], list[str]]] = {False: ([], [], []), True: ([], [], [])}
+    for steps, latency, code, kernel, counts in zip(frame["steps"], frame["mean_latency"], frame["error_code"],
+                                                    frame["kernel"], competing):
         try:
             state = State.from_json(policy.task.dag, steps)
         except IllegalStep:
             continue                       # a record from an older rule set: keep it, skip it here
+        cands, costs, kernels = parts[bool(counts)]
         cands.append(Candidate.of(state))
         costs.append(float(latency) if code == 0 else math.inf)
         # a kernel named by an older identity rule is lowered again (the policy does it)
         kernels.append(kernel if kernel.startswith(KERNEL_PREFIX) else "")
-    policy.preload(cands, costs, kernels)
+    older, newer = parts[False], parts[True]
+    policy.preload(*older)
+    policy.forget_best()                   # the older records' figures are another night's
+    policy.preload(*newer)
+    cands, costs = older[0] + newer[0], older[1] + newer[1]
     policy.model.update(policy.task, cands, costs)
-    return len(cands)
+    return len({c.key for c in cands})
+
+
+@dataclass(frozen=True)
+class Retiming:
+    """A resumed task's best stored programs timed again: how many, and the best figure stored before
+    and timed now (seconds; inf where none ran)."""
+    programs: int
+    stored: float
+    now: float
+
+
+def retime_stored_bests(policy: SketchPolicy, measurer: Measurer, records: RecordStore,
+                        programs: int = RETIME_PROGRAMS, *, timings: int = CONFIRM_TIMINGS, round_: int = 0,
+                        flow_run_id: str = "", network: str = "") -> Retiming | None:
+    """Time the task's `programs` fastest stored programs again (each 1 + `timings` times, as a best is
+    confirmed) before a resumed run measures anything of it, append them as re-timing records, and make
+    the fastest of them the policy's best; None when the task has no stored success.
+
+    Without it a night compares its programs with figures from other nights. On the shared 2-vCPU VM
+    these tune on, the same kernels ran 1.5-1.9 times slower in one evening hour than in the afternoon:
+    a best stored in a fast hour then stays below everything a slow night measures, the scheduler sees
+    no task improve, the estimate runs far below the measured network (+47 %, docs/performance.md), and
+    the network is built from whichever night was luckier rather than from the fastest program tonight.
+    The re-timings are new records (nothing stored is rewritten); from them on the task's older records
+    are history, not its best (storage.queries.competing_mask), for every reader of the store."""
+    frame = records.records_of(policy.task.workload_key, target=policy.task.target)
+    kernels = dict(zip(frame["steps"], frame["kernel"]))
+    cands, steps = [], []
+    for s in incumbent_steps(frame, programs):
+        try:
+            cands.append(Candidate.of(State.from_json(policy.task.dag, s)))
+            steps.append(s)
+        except IllegalStep:
+            continue                       # stored by an older rule set: resume_policy skipped it too
+    if not cands:
+        return None
+    stored = policy.best_cost
+    results = time_again(measurer, policy.task, steps, timings)
+    records.append(to_records(policy.task, cands, results, round_=round_, flow_run_id=flow_run_id,
+                              network=network, model_version=policy.model.version,
+                              kernels=[str(kernels.get(s, "")) for s in steps], retiming=True))
+    remember_task(records, policy.task)
+    policy.forget_best()
+    policy.preload(cands, [r.latency for r in results])   # their programs are in the model's data already
+    return Retiming(len(cands), stored, policy.best_cost)
 
 
 def propose(policy: SketchPolicy, n: int) -> tuple[list[Candidate], list[float] | None]:
@@ -210,22 +270,25 @@ def tune_task(task: SearchTask, trials: int, *, measurer: Measurer | None = None
               model: str | CostModel = "xgb", params: SearchParams | None = None,
               records: RecordStore | None = None, seed: int = 0, flow_run_id: str = "", network: str = "",
               progress: Callable[[RoundLog, TuneResult], None] | None = None,
-              measure_default: bool = False, confirm: int = CONFIRM_TIMINGS) -> TuneResult:
+              measure_default: bool = False, confirm: int = CONFIRM_TIMINGS,
+              retime: int = RETIME_PROGRAMS) -> TuneResult:
     """Measure `trials` new programs for `task` and return the best (including earlier records).
     measure_default: also measure the network runtime's default schedule (first round). confirm: timings
-    added to a program before it becomes the best (codegen.confirmation; 0: none)."""
+    added to a program before it becomes the best (codegen.confirmation; 0: none). retime: stored
+    programs timed again first, when `records` has some (retime_stored_bests; 0: none)."""
     params = params or SearchParams()
     policy = SketchPolicy(task, make_model(model, seed), params, seed=seed,
                           initial_programs=default_programs(task) if measure_default else None,
                           kernel_identity=KernelIdentity(task))
-    if records is not None:
-        resume_policy(policy, records)
     own = measurer is None
     measurer = measurer or ProgramMeasurer()
     result = TuneResult(task, None, math.inf, 0)
-    if policy.best is not None:
-        result.best_steps, result.best_latency = policy.best[1].steps_json, policy.best_cost
     try:
+        if records is not None and resume_policy(policy, records) and retime:
+            retime_stored_bests(policy, measurer, records, retime, timings=confirm, flow_run_id=flow_run_id,
+                                network=network)
+        if policy.best is not None:
+            result.best_steps, result.best_latency = policy.best[1].steps_json, policy.best_cost
         rnd = 0
         while result.trials < trials:
             n = min(params.num_measures_per_round, trials - result.trials)
@@ -301,9 +364,10 @@ class NetworkTuner:
     stop between rounds or let two schedulers take turns on one machine (the benchmark does, so that
     the machine's drift hits both alike); the flow runs the three parts as steps of its own.
 
-    With `records`, the stored history of every task is read first (`resume()`; resume=False leaves that
+    With `records`, the stored history of every task is read first (`resume()`), and with a measurer each
+    task's `retime` best stored programs are timed again (`retime_stored_bests()`; resume=False leaves both
     to the caller): programs measured before are never measured again, and the scheduler starts from
-    each task's stored best."""
+    each task's stored best as timed now."""
 
     def __init__(self, tasks: list[SearchTask], trials: int, measurer: Measurer | None, *,
                  model: str | CostModel = "xgb", params: SearchParams | None = None,
@@ -311,8 +375,9 @@ class NetworkTuner:
                  seed: int = 0, flow_run_id: str = "", network_name: str = "", scheduler_options: dict | None = None,
                  progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None,
                  resume: bool = True, form_sets: Sequence[Sequence[int]] = (), confirm: int = CONFIRM_TIMINGS,
-                 first_round: int | None = None):
+                 first_round: int | None = None, retime: int = RETIME_PROGRAMS):
         self.trials, self.measurer, self.records, self.progress = trials, measurer, records, progress
+        self.retime = retime              # stored programs of a resumed task timed again (0: none)
         self.confirm = confirm            # timings added to a would-be best (codegen.confirmation)
         self.flow_run_id, self.network_name = flow_run_id, network_name
         self.params = params = params or SearchParams()
@@ -340,6 +405,8 @@ class NetworkTuner:
         self.rounds = 0
         if resume and records is not None:
             self.resume()
+            if measurer is not None:
+                self.retime_stored_bests()
 
     def resume(self) -> list[int]:
         """Read each task's stored history into its policy, the cost model and the scheduler; returns the
@@ -352,6 +419,31 @@ class NetworkTuner:
                 self.sched.restore(i, max(1, n // self.params.num_measures_per_round), p.best_cost)
         self._sync_result()
         return list(self.history)
+
+    def retime_stored_bests(self, on_task: Callable[[int, Retiming], None] | None = None
+                            ) -> list[Retiming | None]:
+        """Time each resumed task's `retime` best stored programs again and restart the scheduler from
+        those figures (flows.tuning.retime_stored_bests); a task none of whose re-timings ran goes back
+        to the warm-up. `on_task(i, retiming)` after each task (progress). None for a task not timed again."""
+        out: list[Retiming | None] = [None] * len(self.policies)
+        if self.records is None or self.measurer is None or self.retime < 1:
+            return out
+        for i, p in enumerate(self.policies):
+            if not self.history[i]:
+                continue
+            done = out[i] = retime_stored_bests(p, self.measurer, self.records, self.retime, timings=self.confirm,
+                                                round_=self.rounds, flow_run_id=self.flow_run_id,
+                                                network=self.network_name)
+            if done is None:
+                continue
+            if p.best is not None:
+                self.sched.restore(i, max(1, self.history[i] // self.params.num_measures_per_round), p.best_cost)
+            else:
+                self.sched.restore(i, 0, INF_COST)
+            if on_task is not None:
+                on_task(i, done)
+        self._sync_result()
+        return out
 
     def _sync_result(self) -> None:
         self.result.best_costs = list(self.sched.best_costs)

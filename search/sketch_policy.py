@@ -295,6 +295,11 @@ class SketchPolicy:
         for c, cost, kernel in zip(cands, costs, kernels):
             self._note(c, cost, kernel)
 
+    def forget_best(self) -> None:
+        """No measured program is the best any more (they stay measured, with their figures): a resumed
+        task's best is what its stored programs time now (flows.tuning.retime_stored_bests)."""
+        self.best, self.best_cost = None, math.inf
+
     def _kernel_untaken(self, c: Candidate) -> bool:
         """c was neither picked here (its kernel taken then) nor measured before: a stored record
         (resume) or a program the caller chose, whose kernel `_note` takes."""

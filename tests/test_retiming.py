@@ -1,0 +1,71 @@
+"""A resumed run times its tasks' stored bests again, so a figure from a faster night does not stay the
+best: with the real LLVM measurer, on a store whose timings were made five times too fast."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
+from tensortune.codegen.target import make_task
+from tensortune.codegen.timing import TimingConfig
+from tensortune.flows.tuning import apply_best, tune_task
+from tensortune.search.sketch_policy import SearchParams
+from tensortune.storage.records import RecordStore
+from tensortune.tasks.reference import evaluate, mismatch
+from tensortune.tasks.workload_registry import make_dag
+
+PARAMS = SearchParams(population=128, sample_init_population=128, num_iters=1, num_measures_per_round=8)
+FAST_NIGHT = 0.2          # the stored timings, as if made on a machine five times faster
+
+
+@pytest.fixture(scope="module")
+def measurer():
+    m = ProgramMeasurer(LocalBuilder(), LocalRunner(config=TimingConfig(min_repeat_ms=5, repeat=3)))
+    yield m
+    m.close()
+
+
+def _fast_night(source: RecordStore, path: str) -> RecordStore:
+    """A copy of `source` whose successful timings are FAST_NIGHT times what they were (new records)."""
+    store = RecordStore(path)
+    store.append([dataclasses.replace(r, record_id="", latencies=[x * FAST_NIGHT for x in r.latencies],
+                                      mean_latency=r.mean_latency * FAST_NIGHT, gflops=float("nan"))
+                  for r in source.load_records()])
+    return store
+
+
+def test_a_resumed_task_is_compared_with_its_stored_bests_timed_again(tmp_path, measurer):
+    task = make_task(make_dag("matmul", 64, 64, 64))
+    tune_task(task, 16, measurer=measurer, params=PARAMS, records=RecordStore(str(tmp_path / "night1")), seed=0)
+    night1 = RecordStore(str(tmp_path / "night1"))
+    stored = _fast_night(night1, str(tmp_path / "trusted"))
+    fastest_stored = stored.best_per_task()["mean_latency"].item()
+
+    # TVM's way (retime=0): the fast night's figure stays the best, whatever tonight measures
+    trusted = tune_task(task, 8, measurer=measurer, params=PARAMS, records=stored, seed=1, retime=0)
+    assert trusted.best_latency == fastest_stored
+    assert stored.best_per_task()["mean_latency"].item() == fastest_stored
+
+    # timed again first: the three fastest stored programs, each three times, as new records at one time
+    store = _fast_night(night1, str(tmp_path / "retimed"))
+    result = tune_task(task, 8, measurer=measurer, params=PARAMS, records=store, seed=1)
+    frame = store.read()
+    retimed = frame[frame["retiming"]]
+    ranked = frame[~frame["retiming"]].sort_values("mean_latency")["steps"].drop_duplicates()
+    assert list(retimed["steps"]) == list(ranked[:3]) and retimed["timestamp"].nunique() == 1
+    assert (retimed["error_code"] == 0).all() and (retimed["latencies"].map(len) == 9).all()   # 3 x repeat 3
+    assert len(frame) == 16 + 3 + 8 and (~frame["retiming"]).sum() == 24       # nothing stored was rewritten
+    # the best is now tonight's: at least a timing made tonight, not the fast night's figure
+    tonight = frame[frame["timestamp"] >= retimed["timestamp"].iloc[0]].query("error_code == 0")
+    assert result.best_latency == tonight["mean_latency"].min() > fastest_stored
+    best = store.best_per_task()
+    assert best["mean_latency"].item() == result.best_latency and best["n_records"].item() == 27
+    # and the program deployed from the store is tonight's best, and computes the matmul
+    assert best["steps"].item() == result.best_steps
+    kernel = apply_best(task, store)
+    inputs = task.dag.random_inputs(3)
+    out = np.empty((64, 64), np.float32)
+    kernel(*inputs, out)
+    assert mismatch(out, evaluate(task.dag, inputs)[0]) is None
