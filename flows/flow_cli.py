@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tensortune.codegen.confirmation import RETIME_PROGRAMS
 from tensortune.flows.cli_app import app
 from tensortune.flows.cli_input import USAGE, check_cluster, check_count, fail, records_to_write
 from tensortune.flows.network_cli import (
@@ -71,6 +72,10 @@ def tune(network: NetworkArg,
          reference_ms: Annotated[Optional[float], typer.Option(
              "--reference-ms", min=0.0, help="f3: the network latency to beat (e.g. ONNX Runtime's).")] = None,
          seed: int = 0, winograd: WinogradOption = None,
+         retime: Annotated[int, typer.Option(
+             "--retime", min=0, help="Time each resumed task's best N stored programs again first, so this run "
+                                     "compares with tonight's figures (0: trust the stored timings).")]
+         = RETIME_PROGRAMS,
          time_network: Annotated[bool, typer.Option(
              "--time-network/--no-time-network",
              help="End by building the network from the best records, checking and timing it.")] = True,
@@ -121,7 +126,7 @@ def tune(network: NetworkArg,
                                       seed=seed, search=search, latency_target_ms=latency_target_ms,
                                       early_stopping_task=early_stopping, objective=objective,
                                       reference_ms=reference_ms, winograd_tiles=list(tiles) or None,
-                                      return_state=True)
+                                      retime=retime, return_state=True)
         if state.is_completed():
             _print_summary(state.result())
     except KeyboardInterrupt:
@@ -179,9 +184,11 @@ def _print_summary(summary: dict) -> None:
 
     def ms(x: float) -> str:
         return f"{x * 1e3:.4f} ms" if math.isfinite(x) else "n/a"
+    stored = summary.get("estimate_stored_s", math.nan)
     console.print(f"estimated latency: {ms(summary['estimate_after_s'])} (runtime default schedules "
-                  f"{ms(summary['estimate_default_s'])}, start of this run {ms(summary['estimate_before_s'])}); "
-                  f"cost model {summary['model_version'] or 'random'}")
+                  f"{ms(summary['estimate_default_s'])}, start of this run {ms(summary['estimate_before_s'])}"
+                  + (f", {ms(stored)} as stored" if math.isfinite(stored) and stored != summary['estimate_before_s']
+                     else "") + f"); cost model {summary['model_version'] or 'random'}")
     median = summary.get("round_median_s") or {}
     if median.get("search_s") is not None:
         def s(x: float | None) -> str:

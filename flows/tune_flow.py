@@ -8,7 +8,8 @@ ever talks to Prefect (prefect-dask's task runner cannot work in Prefect's ephem
 
 Every measured batch is appended to the record store before the policy and the scheduler learn from it,
 so a run that dies loses at most the batch in flight; a new run resumes from the store: programs
-measured before are never measured again, and each task starts from its stored best.
+measured before are never measured again, and each task starts from its stored best as timed again at
+the start of the run (`retime-stored-bests`; flows.tuning.retime_stored_bests says why).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from tensortune.flows.dask_measure import DaskMeasurer
 from tensortune.flows.measure_targets import MeasureTarget, measure_node_targets, resolve_measure_target
 from tensortune.flows.retrain import NewestModel, Trainer, load_newest, retrain
 from tensortune.flows.tuned_network import GAP_WARNING, TunedNetworkTiming, measure_tuned_network_job
-from tensortune.flows.tuning import NetworkTuner, Proposal, network_tasks, network_timing
+from tensortune.flows.tuning import RETIME_PROGRAMS, NetworkTuner, Proposal, Retiming, network_tasks, network_timing
 from tensortune.search.cost_model import WARMUP_PROGRAMS
 from tensortune.search.sketch_policy import SearchParams
 from tensortune.search.task_scheduler import INF_COST, Objective, network_objective
@@ -130,7 +131,7 @@ class Session:
     def __init__(self, tasks: list[SearchTask], network: str, records: RecordStore, measurer: Measurer,
                  params: SearchParams, strategy: str, seed: int, warmup: int, flow_run_id: str, trials: int,
                  objective: Objective | None = None, scheduler_options: dict[str, Any] | None = None,
-                 form_sets: Sequence[Sequence[int]] = ()):
+                 form_sets: Sequence[Sequence[int]] = (), retime: int = RETIME_PROGRAMS):
         self.tasks, self.network, self.records = tasks, network, records
         self.form_sets = [tuple(f) for f in form_sets]     # alternative forms of one group: one term
         self.target = tasks[0].target
@@ -139,15 +140,16 @@ class Session:
         self.tuner = NetworkTuner(tasks, trials, measurer, model=self.model, params=params, records=records,
                                   strategy=strategy, objective=objective, seed=seed, flow_run_id=flow_run_id,
                                   network_name=network, scheduler_options=scheduler_options, resume=False,
-                                  form_sets=self.form_sets)
+                                  form_sets=self.form_sets, retime=retime)
         self.policies, self.sched = self.tuner.policies, self.tuner.sched
         # the model learns from every stored record of the target (other networks, earlier nights)
         self.trainer = Trainer(tasks, self.target, warmup, seed, self.model.features, transfer=True)
         n = len(tasks)
-        self.before = [math.inf] * n                 # best latency stored before this run
+        self.stored = [math.inf] * n                 # best latency stored before this run
+        self.before = [math.inf] * n                 # ... as timed again at its start (retime-stored-bests)
         self.default_latency = [math.nan] * n
         # where the run's time went, inside the steps (the rest of the wall time is orchestration)
-        self.seconds = {"search": 0.0, "measure": 0.0, "record+learn": 0.0, "retrain": 0.0}
+        self.seconds = {"retime": 0.0, "search": 0.0, "measure": 0.0, "record+learn": 0.0, "retrain": 0.0}
         self.timeline: list[artifacts.RoundTiming] = []    # one line per measured round
 
     @property
@@ -231,7 +233,7 @@ def load_history(s: Session) -> dict[str, int]:
     history = s.tuner.resume()
     for i, (p, n) in enumerate(zip(s.policies, history)):
         if n and p.best is not None:
-            s.before[i] = p.best_cost
+            s.stored[i] = s.before[i] = p.best_cost
         default = s.tuner.default_steps[i]
         if n and default is not None:
             frame = s.records.records_of(p.task.workload_key, target=p.task.target)
@@ -241,6 +243,28 @@ def load_history(s: Session) -> dict[str, int]:
     total, resumed = sum(history), sum(1 for n in history if n)
     log.info(f"history: {total} records of {resumed}/{len(s.tasks)} tasks in {s.records.location.url}")
     return {"records": total, "tasks_with_history": resumed}
+
+
+@task(name="retime-stored-bests", **_STEP)
+def retime_stored_bests(s: Session) -> dict[str, Any]:
+    """Time each resumed task's best stored programs again, so this run compares its programs with
+    figures of this night, not of the night that stored them (flows.tuning.retime_stored_bests)."""
+    log = get_run_logger()
+    t0 = time.perf_counter()
+
+    def logged(i: int, r: Retiming) -> None:
+        s.before[i] = r.now
+        log.info(f"{s.tasks[i].name} (task {i}): {r.programs} stored programs timed again, best "
+                 f"{_ms(r.stored)} as stored, {_ms(r.now)} now")
+    done = [r for r in s.tuner.retime_stored_bests(on_task=logged) if r is not None]
+    s.seconds["retime"] += time.perf_counter() - t0
+    weights = [t.weight for t in s.tasks]
+    stored, now = (artifacts.estimate(weights, xs, s.form_sets) for xs in (s.stored, s.before))
+    if done:
+        log.info(f"{sum(r.programs for r in done)} stored programs of {len(done)} tasks timed again in "
+                 f"{time.perf_counter() - t0:.1f} s: estimated latency {_ms(stored)} as stored, {_ms(now)} now")
+    return {"tasks": len(done), "programs": sum(r.programs for r in done), "estimate_stored_s": stored,
+            "estimate_now_s": now}
 
 
 @task(name="retrain-cost-model", task_run_name="retrain-{why}", **_STEP)
@@ -326,9 +350,11 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
                seed: int = 0, search: SearchOptions | dict[str, Any] | None = None, flow_run_id: str = "",
                latency_target_ms: float | None = None, early_stopping_task: int | None = None,
                objective: str | None = None, reference_ms: float | None = None,
-               form_sets: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
+               form_sets: Sequence[Sequence[int]] = (), retime: int = RETIME_PROGRAMS) -> dict[str, Any]:
     """The rounds of one flow run (called inside a flow): returns the run's summary.
 
+    retime: each resumed task's best stored programs timed again before the rounds (0: trust the stored
+    timings, as TVM does; flows.tuning.retime_stored_bests).
     objective: what the task scheduler minimises, Ansor's f1 (weighted latency sum; the default), f2
     (max(latency, latency_target_ms): the default when a target is given) or f3 (geometric-mean speedup
     over reference_ms). latency_target_ms: the run stops once the estimate meets it, whatever the
@@ -342,6 +368,8 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
         raise ValueError(f"retrain_every must be at least 1 round, got {retrain_every}")
     if latency_target_ms is not None and latency_target_ms <= 0:
         raise ValueError(f"latency_target_ms must be positive, got {latency_target_ms}")
+    if retime < 0:
+        raise ValueError(f"retime must be 0 or more programs, got {retime}")
     params = search_options(search).params(per_round)
     store = RecordStore(records)
     if objective is None:
@@ -351,8 +379,10 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
                              reference_s=reference_ms / 1e3 if reference_ms is not None else None)
     s = Session(tasks, network, store, measurer, params, strategy, seed, model_warmup, flow_run_id, trials,
                 objective=goal, scheduler_options={"early_stopping_task": early_stopping_task},
-                form_sets=form_sets)
+                form_sets=form_sets, retime=retime)
     load_history(s)
+    if retime:
+        retime_stored_bests(s)
     retrain_cost_model(s, "start")
     before = list(s.before)
     target = s.target
@@ -427,12 +457,14 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
                "network": network, "target": target, "flow_run_id": flow_run_id, "records": store.location.url,
                "trials": done, "rounds": s.rounds, "model_version": s.model.version,
                "estimate_default_s": artifacts.estimate(weights, s.default_latency, s.form_sets),
+               "estimate_stored_s": artifacts.estimate(weights, s.stored, s.form_sets),
                "estimate_before_s": artifacts.estimate(weights, before, s.form_sets), "estimate_after_s": s.estimate(),
                "seconds": {k: round(v, 3) for k, v in s.seconds.items()},
                "round_median_s": artifacts.round_medians(s.timeline),
                "tasks": [r.as_dict() for r in rows]}
     log.info(f"done: {done} trials in {s.rounds} rounds; estimated latency "
-             f"{_ms(summary['estimate_before_s'])} at the start, {_ms(summary['estimate_after_s'])} now "
+             f"{_ms(summary['estimate_before_s'])} at the start ({_ms(summary['estimate_stored_s'])} as stored), "
+             f"{_ms(summary['estimate_after_s'])} now "
              f"(runtime defaults {_ms(summary['estimate_default_s'])}); records in {store.location.url}")
     return summary
 
@@ -493,7 +525,7 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                       local_workers: int = 1, latency_target_ms: float | None = None,
                       early_stopping_task: int | None = None, time_network: bool = True,
                       objective: str | None = None, reference_ms: float | None = None,
-                      winograd_tiles: list[int] | None = None) -> dict[str, Any]:
+                      winograd_tiles: list[int] | None = None, retime: int = RETIME_PROGRAMS) -> dict[str, Any]:
     """Tune a network's tasks for `trials` measurements, resuming from the record store, then build the
     network from the store's best records, check it and time it (time_network=False leaves that out).
 
@@ -506,7 +538,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
     estimated latency meets it;
     early_stopping_task: trials without improvement after which a task gets no more; objective: f1, f2
     or f3 (see tune_tasks; f3 needs reference_ms, the latency to beat); winograd_tiles: also tune the
-    Winograd form F(m x m, 3 x 3) of every eligible conv for these m (2, 4), the faster form is built.
+    Winograd form F(m x m, 3 x 3) of every eligible conv for these m (2, 4), the faster form is built;
+    retime: each resumed task's best stored programs timed again first (0: trust the stored timings).
     """
     options = {k: v for k, v in (("batch", batch), ("image_size", image_size), ("seq_len", seq_len),
                                  ("layers", layers), ("input_shapes", input_shapes)) if v is not None}
@@ -522,7 +555,7 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                              model_warmup=model_warmup, strategy=strategy, seed=seed, search=search,
                              flow_run_id=_flow_run_id(), latency_target_ms=latency_target_ms,
                              early_stopping_task=early_stopping_task, objective=objective,
-                             reference_ms=reference_ms, form_sets=net.form_sets())
+                             reference_ms=reference_ms, form_sets=net.form_sets(), retime=retime)
         if time_network and tasks[0].target_kind == "llvm":
             measured = build_and_time_network(client, net, network, tasks[0].target, records,
                                               workers=where.workers)
@@ -539,7 +572,8 @@ def tune_op_flow(workload: str, args: list[Any], trials: int = 64, target: str =
                  records: str = DEFAULT_ROOT, cluster: str | None = None, per_round: int = 64,
                  retrain_every: int = 1, model_warmup: int = WARMUP_PROGRAMS, seed: int = 0,
                  search: SearchOptions | None = None,
-                 timing: TimingOptions | None = None, local_workers: int = 1) -> dict[str, Any]:
+                 timing: TimingOptions | None = None, local_workers: int = 1,
+                 retime: int = RETIME_PROGRAMS) -> dict[str, Any]:
     """One operator (a registered workload with its arguments) tuned through the same rounds."""
     from tensortune.codegen.target import make_task
     from tensortune.tasks.workload_registry import make_dag
@@ -550,7 +584,8 @@ def tune_op_flow(workload: str, args: list[Any], trials: int = 64, target: str =
         return tune_tasks([task_], network=workload, trials=trials, records=records,
                           measurer=_measurer(client, timing, where.workers), per_round=per_round,
                           retrain_every=retrain_every,
-                          model_warmup=model_warmup, seed=seed, search=search, flow_run_id=_flow_run_id())
+                          model_warmup=model_warmup, seed=seed, search=search, flow_run_id=_flow_run_id(),
+                          retime=retime)
 
 
 def _figure(x: object) -> str:

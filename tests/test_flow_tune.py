@@ -146,15 +146,26 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     assert set(frame.loc[frame["round"] < 2, "model_version"]) == {""}
     assert set(frame.loc[frame["round"] >= 2, "model_version"]) == {first_model}
 
-    # second run: resumes; measures no program twice and starts from the stored best
+    # second run: resumes; times each task's three best stored programs again first, measures no new
+    # program twice, and starts from the stored bests as timed now
     state2 = tune_network_flow(network, trials=16, records=records, cluster=address, return_state=True, **SMALL)
     assert state2.is_completed(), state2
     second = state2.result()
     frame2 = store.read()
-    assert len(frame2) == 48
-    assert not frame2.duplicated(["workload_key", "steps"]).any()
-    assert second["estimate_before_s"] == pytest.approx(first["estimate_after_s"], rel=1e-9)
+    retimed = frame2[frame2["retiming"]]
+    assert len(frame2) == 48 + 6 and len(retimed) == 6
+    assert set(retimed["flow_run_id"]) == {str(state2.state_details.flow_run_id)}
+    assert (retimed.groupby("workload_key")["timestamp"].nunique() == 1).all()
+    assert set(zip(retimed["workload_key"], retimed["steps"])) <= set(zip(frame["workload_key"], frame["steps"]))
+    assert not frame2[~frame2["retiming"]].duplicated(["workload_key", "steps"]).any()
+    assert second["estimate_stored_s"] == pytest.approx(first["estimate_after_s"], rel=1e-9)
+    now = retimed.query("error_code == 0").groupby("workload_key")["mean_latency"].min()
+    _, tasks = network_tasks(load_graph(network), str(parse_target("llvm")))
+    assert second["estimate_before_s"] == pytest.approx(sum(t.weight * now[t.workload_key] for t in tasks),
+                                                        rel=1e-9)
     assert second["estimate_after_s"] <= second["estimate_before_s"]
+    names2 = [t.name for t in read_back(state2.state_details.flow_run_id)[2]]
+    assert any(n.startswith("retime-stored-bests") for n in names2), names2
     assert [r["trials (total)"] for r in second["tasks"]] == [
         a["trials (total)"] + b["trials (this run)"] for a, b in zip(first["tasks"], second["tasks"])]
     assert len(ModelStore(records).list()) >= 3                # retrained at the start from the history
@@ -166,8 +177,11 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     assert state3.is_completed(), state3
     third = state3.result()
     assert third["trials"] == 0 and third["rounds"] == 0
-    assert third["estimate_after_s"] == pytest.approx(second["estimate_after_s"], rel=1e-9)
-    assert len(store.read()) == 48
+    assert third["estimate_stored_s"] == pytest.approx(second["estimate_after_s"], rel=1e-9)
+    assert third["estimate_after_s"] == third["estimate_before_s"]
+    # programs, not records: the re-timings of the second run count no trial
+    assert [r["trials (total)"] for r in third["tasks"]] == [r["trials (total)"] for r in second["tasks"]]
+    assert (~store.read()["retiming"]).sum() == 48
 
 
 def test_a_bad_cluster_address_fails_the_run_with_what_to_do(tmp_path, prefect_api):
