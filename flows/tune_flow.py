@@ -241,7 +241,7 @@ def load_history(s: Session) -> dict[str, int]:
             if not hit.empty:
                 s.default_latency[i] = float(hit["mean_latency"].iloc[0])
     total, resumed = sum(history), sum(1 for n in history if n)
-    log.info(f"history: {total} records of {resumed}/{len(s.tasks)} tasks in {s.records.location.url}")
+    log.info(f"history: {total} programs of {resumed}/{len(s.tasks)} tasks in {s.records.location.url}")
     return {"records": total, "tasks_with_history": resumed}
 
 

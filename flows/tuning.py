@@ -95,7 +95,6 @@ def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureRe
     """kernels: which kernel each program compiled to (SketchPolicy.kernel_of; "" not known). retiming:
     stored programs timed again (retime_stored_bests), all stamped with one time."""
     out = []
-    now = datetime.now(timezone.utc)
     for i, (c, r) in enumerate(zip(cands, results)):
         out.append(MeasureRecord(
             workload_key=task.workload_key, target=task.target, steps=c.steps_json,
@@ -104,8 +103,11 @@ def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureRe
             mean_latency=r.latency, error_code=int(r.error_code), error_msg=r.error_msg[:2000],
             build_seconds=r.build_seconds, run_seconds=r.run_seconds, model_version=model_version,
             predicted_score=float(scores[i]) if scores is not None else math.nan, flops=task.flops, host=r.host,
-            num_threads=task.hardware.num_cores if task.target_kind == "llvm" else 0, retiming=retiming,
-            timestamp=now))
+            num_threads=task.hardware.num_cores if task.target_kind == "llvm" else 0))
+    if retiming:
+        now = datetime.now(timezone.utc)
+        for record in out:
+            record.retiming, record.timestamp = True, now
     return out
 
 
