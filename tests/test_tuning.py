@@ -170,9 +170,11 @@ def test_a_tasks_first_round_is_short_and_a_resumed_task_has_had_it(tmp_path, me
         pass
     sizes = store.read().groupby("round").size().sort_index().tolist()
     assert sizes == [2, 2, 4, 2] and tuner.result.trials == 10          # two first rounds, then 4, the rest
+    ok = store.read().query("error_code == 0").groupby("workload_key")["steps"].nunique()
     again = NetworkTuner(tasks, 8, measurer, params=params, records=store, first_round=2)
     assert [again.round_size(i) for i in range(2)] == [4, 4]
     assert again.step()
     frame = store.read()
     assert (~frame["retiming"]).sum() == 14        # the resumed tasks' three best were timed again first
-    assert frame.groupby("workload_key")["retiming"].sum().tolist() == [3, 3]
+    retimed = frame.groupby("workload_key")["retiming"].sum()
+    assert (retimed == ok.clip(upper=3)).all() and len(retimed) == 2, (retimed, ok)
