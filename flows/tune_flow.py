@@ -462,9 +462,10 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
                "seconds": {k: round(v, 3) for k, v in s.seconds.items()},
                "round_median_s": artifacts.round_medians(s.timeline),
                "tasks": [r.as_dict() for r in rows]}
+    stored, before = summary["estimate_stored_s"], summary["estimate_before_s"]
+    as_stored = "" if stored == before or not math.isfinite(stored) else f" ({_ms(stored)} as stored)"
     log.info(f"done: {done} trials in {s.rounds} rounds; estimated latency "
-             f"{_ms(summary['estimate_before_s'])} at the start ({_ms(summary['estimate_stored_s'])} as stored), "
-             f"{_ms(summary['estimate_after_s'])} now "
+             f"{_ms(before)} at the start{as_stored}, {_ms(summary['estimate_after_s'])} now "
              f"(runtime defaults {_ms(summary['estimate_default_s'])}); records in {store.location.url}")
     return summary
 
