@@ -1,13 +1,15 @@
 """`python -m bench storage`: append throughput, size on disk and query latency of the record store.
 
 Writes N synthetic records in batches (one part file per batch, as tuning rounds do), times the
-best-per-task and one-task history queries on the many small files, compacts, and times them again.
+best-per-task and one-task history queries on the many small files, compacts, and times them again;
+then once more after a night that timed every task's best again (re-timing rows) and measured a round.
 Query times are medians of several runs in a fresh RecordStore each (nothing cached in the process;
 the OS page cache is warm after the first run, as it is on a machine that just tuned).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -21,6 +23,7 @@ import numpy as np
 
 from bench.common import Stopwatch, environment
 from tensortune.storage.records import RecordStore
+from tensortune.storage.schema import frame_to_records
 from tensortune.storage.synthetic import synthetic_batch, workload_key
 
 TARGET = "llvm -mcpu=emeraldrapids"
@@ -112,6 +115,14 @@ def _run(root: str, args: argparse.Namespace) -> list[dict[str, object]]:
                  "detail": f"{compaction.input_files} files -> {compaction.output_files}, "
                            f"{compaction.rows} rows"})
     rows += _layout_rows(root, "compacted", task, args.repeats)
+    # a night that resumes: each task's best timed again (a re-timing row, one time for all), then a round
+    # of new records: the best-record query then reads the re-timed tasks' rows since their re-timing
+    night = start + timedelta(seconds=batches + 3600)
+    store.append([dataclasses.replace(r, record_id="", retiming=True, timestamp=night)
+                  for r in frame_to_records(RecordStore(root).best_per_task())])
+    store.append(synthetic_batch(rng, args.batch, target=TARGET, tasks=args.tasks, flow_run_id="run-night",
+                                 timestamp=night + timedelta(seconds=1), host="bench"))
+    rows += _layout_rows(root, "+ a night timed again", task, args.repeats)
     return rows
 
 
