@@ -239,7 +239,7 @@ def load_history(s: Session) -> dict[str, int]:
             frame = s.records.records_of(p.task.workload_key, target=p.task.target)
             hit = frame[(frame["steps"] == default) & (frame["error_code"] == 0)]
             if not hit.empty:
-                s.default_latency[i] = float(hit["mean_latency"].iloc[0])
+                s.default_latency[i] = float(hit["mean_latency"].iloc[-1])     # its newest timing
     total, resumed = sum(history), sum(1 for n in history if n)
     log.info(f"history: {total} programs of {resumed}/{len(s.tasks)} tasks in {s.records.location.url}")
     return {"records": total, "tasks_with_history": resumed}
