@@ -160,9 +160,9 @@ def retime_stored_bests(policy: SketchPolicy, measurer: Measurer, records: Recor
     Without it a night compares its programs with figures from other nights. On the shared 2-vCPU VM
     these tune on, the same kernels ran 1.5-1.9 times slower in one evening hour than in the afternoon:
     a best stored in a fast hour then stays below everything a slow night measures, the scheduler sees
-    no task improve, the measured network runs far above the estimate (+59 % and +115 % in two ResNet-50
-    runs, +0 % and −11 % with the re-timing; docs/performance.md), and the network is built from
-    whichever night was luckier rather than from the fastest program tonight.
+    no task improve, the measured network runs far above the estimate (+59-115 % in three resumed
+    ResNet-50 runs; docs/performance.md), and the network is built from whichever night was luckier
+    rather than from the fastest program tonight.
     The re-timings are new records (nothing stored is rewritten); from them on the task's older records
     are history, not its best (storage.queries.competing_mask), for every reader of the store."""
     frame = records.records_of(policy.task.workload_key, target=policy.task.target)
