@@ -55,7 +55,8 @@ def test_a_resumed_task_is_compared_with_its_stored_bests_timed_again(tmp_path, 
     retimed = frame[frame["retiming"]]
     ranked = frame[~frame["retiming"]].sort_values("mean_latency")["steps"].drop_duplicates()
     assert list(retimed["steps"]) == list(ranked[:3]) and retimed["timestamp"].nunique() == 1
-    assert (retimed["error_code"] == 0).all() and (retimed["latencies"].map(len) == 9).all()   # 3 x repeat 3
+    # three timings each, of up to repeat=3 runs (a run 20 times slower than the best seen cuts one short)
+    assert (retimed["error_code"] == 0).all() and retimed["latencies"].map(len).between(3, 9).all()
     assert len(frame) == 16 + 3 + 8 and (~frame["retiming"]).sum() == 24       # nothing stored was rewritten
     # the best is now tonight's: at least a timing made tonight, not the fast night's figure
     tonight = frame[frame["timestamp"] >= retimed["timestamp"].iloc[0]].query("error_code == 0")
