@@ -419,7 +419,7 @@ class NetworkTuner:
         for i, p in enumerate(self.policies):
             n = self.history[i] = resume_policy(p, self.records)
             if n and p.best is not None:
-                self.sched.restore(i, max(1, n // self.params.num_measures_per_round), p.best_cost)
+                self._restore(i)
         self._sync_result()
         return list(self.history)
 
@@ -439,14 +439,20 @@ class NetworkTuner:
                                                 network=self.network_name)
             if done is None:
                 continue
-            if p.best is not None:
-                self.sched.restore(i, max(1, self.history[i] // self.params.num_measures_per_round), p.best_cost)
-            else:
-                self.sched.restore(i, 0, INF_COST)
+            self._restore(i)
             if on_task is not None:
                 on_task(i, done)
         self._sync_result()
         return out
+
+    def _restore(self, i: int) -> None:
+        """Start the scheduler's task i from its stored history: a round per round's worth of programs, and
+        its policy's best; a task left with no best goes back to the warm-up."""
+        p = self.policies[i]
+        if p.best is not None:
+            self.sched.restore(i, max(1, self.history[i] // self.params.num_measures_per_round), p.best_cost)
+        else:
+            self.sched.restore(i, 0, INF_COST)
 
     def _sync_result(self) -> None:
         self.result.best_costs = list(self.sched.best_costs)
