@@ -19,14 +19,14 @@ if TYPE_CHECKING:
 SHOWN_REASONS = 10     # a real log can fail in as many ways as it has programs: the commonest, then a count
 
 
-def _report(console: Console, summary: "Summary", verb: str) -> None:
+def _report(console: Console, summary: "Summary") -> None:
     for task, n in sorted(summary.tasks.items()):
         console.print(f"  {n:6d}  {task}", highlight=False, soft_wrap=True, markup=False)
     if summary.already:
         console.print(f"{summary.already} program(s) already in the store, not added again", highlight=False,
                       markup=False)
     if summary.skipped:
-        console.print(f"skipped {sum(summary.skipped.values())} record(s) that {verb}:", highlight=False)
+        console.print(f"skipped {sum(summary.skipped.values())} record(s):", highlight=False)
         for reason, n in summary.skipped.most_common(SHOWN_REASONS):
             console.print(f"  {n:6d}  {reason}", highlight=False, soft_wrap=True, markup=False)
         rest = summary.skipped.most_common()[SHOWN_REASONS:]
@@ -38,8 +38,13 @@ def _report(console: Console, summary: "Summary", verb: str) -> None:
 def export_tvm(out: Annotated[str, typer.Option("--out", help="The TVM log (JSON lines) to write; replaced.")],
                records: RecordsOption = DEFAULT_ROOT,
                workload: Annotated[Optional[list[str]], typer.Option(
-                   "--workload", help="Only tasks of this tensortune workload (repeatable).")] = None) -> None:
-    """Write the store's records of workloads TVM shares as a TVM auto_scheduler log."""
+                   "--workload", help="Only tasks of this tensortune workload (repeatable).")] = None,
+               history: Annotated[bool, typer.Option(
+                   "--history", help="Also write the records older than a task's newest re-timing, for TVM's "
+                   "cost model to train on; TVM's ApplyHistoryBest takes the fastest record of a log, these "
+                   "included.")] = False) -> None:
+    """Write the store's records of workloads TVM shares as a TVM auto_scheduler log: those that compete
+    for each task's best (since its newest re-timing), or all of them with --history."""
     from tensortune.flows.tvm_interop import export_log
     from tensortune.storage.integrity import BadFileError
     from tensortune.storage.records import RecordStore
@@ -54,11 +59,11 @@ def export_tvm(out: Annotated[str, typer.Option("--out", help="The TVM log (JSON
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         fail(f"--out {out}: {folder} is not a writable folder", USAGE)
     try:
-        summary = export_log(RecordStore(records, auto_compact=None), out, workload or ())
+        summary = export_log(RecordStore(records, auto_compact=None), out, workload or (), history)
     except (BadFileError, ValueError) as err:
         fail(str(err))
     console = Console()
-    _report(console, summary, "have no TVM form")
+    _report(console, summary)
     if not summary.done:
         fail(f"no record in {records} has a TVM counterpart; {out} not written")
     console.print(f"wrote {summary.done} record(s) of {len(summary.tasks)} task(s) to {out}", highlight=False)
@@ -92,7 +97,7 @@ def import_tvm(log: Annotated[str, typer.Argument(help="A TVM auto_scheduler log
     except (BadFileError, TVMLogError, ValueError) as err:
         fail(str(err))
     console = Console()
-    _report(console, summary, "have no tensortune form")
+    _report(console, summary)
     if not summary.done and not summary.already:
         fail(f"no record of {log} has a tensortune counterpart; nothing imported")
     console.print(f"imported {summary.done} record(s) of {len(summary.tasks)} task(s) into {records}",

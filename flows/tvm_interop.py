@@ -18,6 +18,7 @@ from tensortune.codegen.target import Target, parse_target
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.schedule.tvm_steps import UnconvertibleSteps, from_tvm, to_tvm
+from tensortune.storage.queries import competing_mask
 from tensortune.storage.records import RecordStore
 from tensortune.storage.schema import MeasureRecord, frame_to_records
 from tensortune.storage.tvm_records import (
@@ -127,10 +128,16 @@ def import_log(path: str, store: RecordStore, target: str | None = None) -> Summ
 # ------------------------------------------------------------------------------ export
 
 
-def export_log(store: RecordStore, out: str, workloads: Sequence[str] = ()) -> Summary:
-    """Write every record of the store whose task TVM shares (only the workloads named, if any) to `out`
-    as a TVM log; the file is replaced whole (written beside it, then renamed), and left alone when
-    nothing is shared."""
+def export_log(store: RecordStore, out: str, workloads: Sequence[str] = (), history: bool = False) -> Summary:
+    """Write the store's records of the tasks TVM shares (only the workloads named, if any) to `out` as a
+    TVM log; the file is replaced whole (written beside it, then renamed), and left alone when nothing
+    is shared.
+
+    Only the records that compete for a task's best are written (storage.queries.competing_mask: those
+    since the task's newest re-timing), unless `history`. TVM's ApplyHistoryBest takes the fastest
+    successful record of a log, and its format has no field that says a timing is from another night,
+    so an older record timed in a fast hour would be TVM's best again, the stale choice a resumed run's
+    re-timing exists to undo. `history` writes them all, for TVM's cost model to train on."""
     names = list(workloads) or sorted(EXPORTED)
     frame = store.read(task_name=names)
     summary = Summary()
@@ -150,6 +157,13 @@ def export_log(store: RecordStore, out: str, workloads: Sequence[str] = ()) -> S
             continue
         hardware = astuple(resolved.hardware)
         task = TVMTask(tvm_key, tvm_target(str(target), hardware), hardware)
+        if not history:
+            live = competing_mask(group, ["workload_key", "target"])
+            if not live.all():
+                summary.skipped[f"records of {label or name} older than its newest re-timing: timed on another "
+                                f"night, TVM would take them for the best (--history writes them)"] += int(
+                                    (~live).sum())
+                group = group[live]
         for record in frame_to_records(group):
             try:
                 steps = to_tvm(State.from_json(task_of.dag, record.steps), task_of.tvm_dag)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pytest
@@ -326,6 +328,41 @@ def test_export_counts_the_tasks_tvm_does_not_share(tmp_path):
     assert summary.done == 0 and dict(summary.skipped) == {
         "tasks of softmax: no TVM workload is shared for it": 1}
     assert not (tmp_path / "log.json").exists()
+
+
+def test_export_writes_only_what_competes_for_a_tasks_best_unless_asked_for_history(tuned, tmp_path):
+    """A program timed fast on an earlier night and timed again, slower, when a later run resumed must
+    not be TVM's best: ApplyHistoryBest takes the fastest successful line of a log."""
+    night = datetime(2026, 11, 1, 22, tzinfo=timezone.utc)
+    older = [replace(r, timestamp=night) for r in RecordStore(str(tuned)).load_records(task_name="matmul")]
+    fastest = min((r for r in older if r.error_code == 0), key=lambda r: r.mean_latency)
+    resumed = night + timedelta(days=1)
+    retimed = replace(fastest, record_id="", timestamp=resumed, retiming=True, mean_latency=math.nan,
+                      latencies=[3 * x for x in fastest.latencies])
+    found = replace(fastest, record_id="", timestamp=resumed + timedelta(minutes=5), steps=older[0].steps,
+                    mean_latency=math.nan, latencies=[2 * x for x in fastest.latencies])
+    store = RecordStore(str(tmp_path / "records"))
+    store.append(older)
+    store.append([retimed, found])
+
+    def tvm_best(log):           # what ApplyHistoryBest would pick: the lowest mean cost of a line that ran
+        lines = [r for _, r in read_log(log.read_text()) if r.ok]
+        return len(lines), min(sum(r.costs) / len(r.costs) for r in lines)
+
+    log = tmp_path / "live.json"
+    summary = export_log(store, str(log))
+    assert summary.done == 2 and list(summary.skipped.values()) == [len(older)]
+    assert "older than its newest re-timing" in next(iter(summary.skipped))
+    assert tvm_best(log) == (2, pytest.approx(found.mean_latency))
+    assert found.mean_latency == pytest.approx(store.best_per_task().iloc[0]["mean_latency"])
+    everything = tmp_path / "history.json"
+    summary = export_log(store, str(everything), history=True)
+    assert summary.done == len(older) + 2 and not summary.skipped
+    assert tvm_best(everything)[1] == pytest.approx(fastest.mean_latency)     # the stale figure wins again
+    out = runner.invoke(app, ["export-tvm", "--records", str(tmp_path / "records"), "--out", str(log)])
+    assert out.exit_code == 0 and "wrote 2 record(s)" in out.output and f"skipped {len(older)}" in out.output
+    out = runner.invoke(app, ["export-tvm", "--records", str(tmp_path / "records"), "--out", str(log), "--history"])
+    assert out.exit_code == 0 and f"wrote {len(older) + 2} record(s)" in out.output, out.output
 
 
 # ------------------------------------------------------------------------------ the commands
