@@ -234,12 +234,8 @@ def load_history(s: Session) -> dict[str, int]:
     for i, (p, n) in enumerate(zip(s.policies, history)):
         if n and p.best is not None:
             s.stored[i] = s.before[i] = p.best_cost
-        default = s.tuner.default_steps[i]
-        if n and default is not None:
-            frame = s.records.records_of(p.task.workload_key, target=p.task.target)
-            hit = frame[(frame["steps"] == default) & (frame["error_code"] == 0)]
-            if not hit.empty:
-                s.default_latency[i] = float(hit["mean_latency"].iloc[-1])     # its newest timing
+        if math.isfinite(s.tuner.default_stored[i]):
+            s.default_latency[i] = s.tuner.default_stored[i]
     total, resumed = sum(history), sum(1 for n in history if n)
     log.info(f"history: {total} programs of {resumed}/{len(s.tasks)} tasks in {s.records.location.url}")
     return {"records": total, "tasks_with_history": resumed}
@@ -254,6 +250,8 @@ def retime_stored_bests(s: Session) -> dict[str, Any]:
 
     def logged(i: int, r: Retiming) -> None:
         s.before[i] = r.now
+        if math.isfinite(s.tuner.default_stored[i]):     # the default schedule among those timed again
+            s.default_latency[i] = s.tuner.default_stored[i]
         log.info(f"{s.tasks[i].name} (task {i}): {r.programs} stored programs timed again, best "
                  f"{_ms(r.stored)} as stored, {_ms(r.now)} now")
     done = [r for r in s.tuner.retime_stored_bests(on_task=logged) if r is not None]

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Callable, Sequence
 
+import pandas as pd
+
 from tensortune.codegen.confirmation import CONFIRM_TIMINGS, RETIME_PROGRAMS, confirm_new_bests, time_again
 from tensortune.codegen.kernel_identity import PREFIX as KERNEL_PREFIX
 from tensortune.codegen.kernel_identity import KernelIdentity
@@ -25,7 +27,7 @@ from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tensortune.search.task_scheduler import INF_COST, Objective, TaskScheduler, effective_costs
-from tensortune.storage.queries import competing_mask, incumbent_steps
+from tensortune.storage.queries import competing_mask, incumbents
 from tensortune.storage.records import MeasureRecord, RecordStore
 from tensortune.storage.tasks import TaskStore
 from tensortune.tasks.extract import NetworkTasks, extract_tasks
@@ -111,12 +113,14 @@ def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureRe
     return out
 
 
-def resume_policy(policy: SketchPolicy, records: RecordStore) -> int:
-    """Feed the stored history of this task into the policy and its cost model; returns the number of
-    programs in it (a program timed again counts once). Every stored program counts as measured and
-    trains the model; the best is the fastest of the records since the task's newest re-timing
-    (storage.queries.competing_mask), as the best-record query has it."""
-    frame = records.records_of(policy.task.workload_key, target=policy.task.target)
+def resume_policy(policy: SketchPolicy, frame: pd.DataFrame) -> int:
+    """Feed the stored history of this task (`frame`: its records on the policy's target,
+    RecordStore.records_of) into the policy and its cost model; returns the number of programs in it (a
+    program timed again counts once). Every stored program counts as measured and trains the model;
+    the best is the fastest of the records since the task's newest re-timing
+    (storage.queries.competing_mask), as the best-record query has it. The caller reads the frame, so
+    that what else a resumed run needs of it (incumbents, the default schedule's timing) comes from the
+    same read."""
     if frame.empty:
         return 0
     competing = competing_mask(frame, ["workload_key"])
@@ -143,19 +147,22 @@ def resume_policy(policy: SketchPolicy, records: RecordStore) -> int:
 
 @dataclass(frozen=True)
 class Retiming:
-    """A resumed task's best stored programs timed again: how many, and the best figure stored before
-    and timed now (seconds; inf where none ran)."""
+    """A resumed task's best stored programs timed again: how many, the best figure stored before and
+    timed now (seconds; inf where none ran), and each program's figure now (steps -> seconds; inf:
+    failed)."""
     programs: int
     stored: float
     now: float
+    timed: dict[str, float] = field(default_factory=dict)
 
 
 def retime_stored_bests(policy: SketchPolicy, measurer: Measurer, records: RecordStore,
-                        programs: int = RETIME_PROGRAMS, *, timings: int = CONFIRM_TIMINGS, round_: int = 0,
+                        programs: Sequence[tuple[str, str]], *, timings: int = CONFIRM_TIMINGS, round_: int = 0,
                         flow_run_id: str = "", network: str = "") -> Retiming | None:
-    """Time the task's `programs` fastest stored programs again (each 1 + `timings` times, as a best is
-    confirmed) before a resumed run measures anything of it, append them as re-timing records, and make
-    the fastest of them the policy's best; None when the task has no stored success.
+    """Time the task's fastest stored `programs` ((steps, kernel), storage.queries.incumbents) again
+    (each 1 + `timings` times, as a best is confirmed) before a resumed run measures anything of it,
+    append them as re-timing records, and make the fastest of them the policy's best; None when there
+    is none to time.
 
     Without it a night compares its programs with figures from other nights. On the shared 2-vCPU VM
     these tune on, the same kernels ran 1.5-1.9 times slower in one evening hour than in the afternoon:
@@ -165,26 +172,26 @@ def retime_stored_bests(policy: SketchPolicy, measurer: Measurer, records: Recor
     rather than from the fastest program tonight.
     The re-timings are new records (nothing stored is rewritten); from them on the task's older records
     are history, not its best (storage.queries.competing_mask), for every reader of the store."""
-    frame = records.records_of(policy.task.workload_key, target=policy.task.target)
-    kernels = dict(zip(frame["steps"], frame["kernel"]))
-    cands, steps = [], []
-    for s in incumbent_steps(frame, programs):
+    cands, steps, kernels = [], [], []
+    for s, kernel in programs:
         try:
             cands.append(Candidate.of(State.from_json(policy.task.dag, s)))
-            steps.append(s)
         except IllegalStep:
             continue                       # stored by an older rule set: resume_policy skipped it too
+        steps.append(s)
+        kernels.append(kernel)
     if not cands:
         return None
     stored = policy.best_cost
     results = time_again(measurer, policy.task, steps, timings)
     records.append(to_records(policy.task, cands, results, round_=round_, flow_run_id=flow_run_id,
                               network=network, model_version=policy.model.version,
-                              kernels=[str(kernels.get(s, "")) for s in steps], retiming=True))
+                              kernels=kernels, retiming=True))
     remember_task(records, policy.task)
     policy.forget_best()
     policy.preload(cands, [r.latency for r in results])   # their programs are in the model's data already
-    return Retiming(len(cands), stored, policy.best_cost)
+    return Retiming(len(cands), stored, policy.best_cost, {s: r.latency if r.ok else math.inf
+                                                           for s, r in zip(steps, results)})
 
 
 def propose(policy: SketchPolicy, n: int) -> tuple[list[Candidate], list[float] | None]:
@@ -287,9 +294,11 @@ def tune_task(task: SearchTask, trials: int, *, measurer: Measurer | None = None
     measurer = measurer or ProgramMeasurer()
     result = TuneResult(task, None, math.inf, 0)
     try:
-        if records is not None and resume_policy(policy, records) and retime:
-            retime_stored_bests(policy, measurer, records, retime, timings=confirm, flow_run_id=flow_run_id,
-                                network=network)
+        if records is not None:
+            stored = records.records_of(task.workload_key, target=task.target)
+            if resume_policy(policy, stored) and retime:
+                retime_stored_bests(policy, measurer, records, incumbents(stored, retime), timings=confirm,
+                                    flow_run_id=flow_run_id, network=network)
         if policy.best is not None:
             result.best_steps, result.best_latency = policy.best[1].steps_json, policy.best_cost
         rnd = 0
@@ -402,6 +411,10 @@ class NetworkTuner:
         # default stays TVM's (`python -m bench first_round`; docs/performance.md, "A short first round")
         self.first_round = first_round
         self.history = [0] * len(tasks)           # programs of each task read from the records
+        # what resume() kept of each task's records: its fastest stored programs, (steps, kernel), for
+        # retime_stored_bests, and the default schedule's newest stored timing (seconds; inf: none)
+        self.incumbents: list[list[tuple[str, str]]] = [[] for _ in tasks]
+        self.default_stored = [math.inf] * len(tasks)
         self.trials_run = [0] * len(tasks)        # ... and measured by this tuner
         self.result = NetworkTuneResult(tasks, [], [], 0, form_sets=[tuple(f) for f in form_sets])
         self._sync_result()
@@ -412,12 +425,19 @@ class NetworkTuner:
                 self.retime_stored_bests()
 
     def resume(self) -> list[int]:
-        """Read each task's stored history into its policy, the cost model and the scheduler; returns the
-        number of programs read per task."""
+        """Read each task's stored history into its policy, the cost model and the scheduler (one read of
+        the store per task); returns the number of programs read per task."""
         if self.records is None:
             return list(self.history)
         for i, p in enumerate(self.policies):
-            n = self.history[i] = resume_policy(p, self.records)
+            stored = self.records.records_of(p.task.workload_key, target=p.task.target)
+            n = self.history[i] = resume_policy(p, stored)
+            self.incumbents[i] = incumbents(stored, self.retime)
+            default = self.default_steps[i]
+            if n and default is not None:
+                ran = stored[(stored["steps"] == default) & (stored["error_code"] == 0)]
+                if not ran.empty:
+                    self.default_stored[i] = float(ran["mean_latency"].iloc[-1])     # its newest timing
             if n and p.best is not None:
                 self._restore(i)
         self._sync_result()
@@ -434,11 +454,12 @@ class NetworkTuner:
         for i, p in enumerate(self.policies):
             if not self.history[i]:
                 continue
-            done = out[i] = retime_stored_bests(p, self.measurer, self.records, self.retime, timings=self.confirm,
-                                                round_=self.rounds, flow_run_id=self.flow_run_id,
-                                                network=self.network_name)
+            done = out[i] = retime_stored_bests(p, self.measurer, self.records, self.incumbents[i],
+                                                timings=self.confirm, round_=self.rounds,
+                                                flow_run_id=self.flow_run_id, network=self.network_name)
             if done is None:
                 continue
+            self.default_stored[i] = done.timed.get(self.default_steps[i] or "", self.default_stored[i])
             self._restore(i)
             if on_task is not None:
                 on_task(i, done)

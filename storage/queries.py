@@ -59,14 +59,15 @@ def competing_mask(frame: pd.DataFrame, by: list[str], retimings: pd.DataFrame |
     return (baseline.isna() | (stamps >= baseline)).to_numpy(dtype=bool)
 
 
-def incumbent_steps(frame: pd.DataFrame, k: int) -> list[str]:
-    """The steps of one task's `k` fastest distinct programs among its competing successful records
-    (frame: that task's records on one target), fastest first: what a resumed run times again."""
+def incumbents(frame: pd.DataFrame, k: int) -> list[tuple[str, str]]:
+    """(steps, kernel) of one task's `k` fastest distinct programs among its competing successful
+    records (frame: that task's records on one target), fastest first: what a resumed run times again."""
     if frame.empty or k < 1:
         return []
     live = frame[competing_mask(frame, ["workload_key"]) & ok_mask(frame)]
     ranked = live.sort_values(["mean_latency", "timestamp"], kind="stable").drop_duplicates("steps")
-    return [str(s) for s in ranked["steps"].head(k)]
+    top = ranked.head(k)
+    return [(str(steps), str(kernel)) for steps, kernel in zip(top["steps"], top["kernel"])]
 
 
 def task_counts(table: pa.Table, by: list[str]) -> pd.DataFrame:

@@ -16,7 +16,7 @@ import pytest
 from tensortune.codegen.target import parse_target
 from tensortune.flows.artifacts import artifact_key
 from tensortune.flows.tune_flow import time_network_on_cluster, tune_network_flow
-from tensortune.flows.tuning import network_tasks
+from tensortune.flows.tuning import default_programs, network_tasks
 from tensortune.storage.models import ModelStore
 from tensortune.storage.records import RecordStore
 from tensortune.tasks.models import load_graph
@@ -164,6 +164,14 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     assert second["estimate_before_s"] == pytest.approx(sum(t.weight * now[t.workload_key] for t in tasks),
                                                         rel=1e-9)
     assert second["estimate_after_s"] <= second["estimate_before_s"]
+    # "speedup vs default" is against each default schedule's newest timing: its re-timing, where it was
+    # among the programs timed again
+    defaults = {t.workload_key: default_programs(t)[0].steps_json() for t in tasks}
+    ran = frame2[frame2["error_code"] == 0]
+    newest = {key: ran[(ran["workload_key"] == key) & (ran["steps"] == steps)]["mean_latency"].iloc[-1]
+              for key, steps in defaults.items()}
+    assert second["estimate_default_s"] == pytest.approx(sum(t.weight * newest[t.workload_key] for t in tasks),
+                                                         rel=1e-9)
     names2 = [t.name for t in read_back(state2.state_details.flow_run_id)[2]]
     assert any(n.startswith("retime-stored-bests") for n in names2), names2
     assert [r["trials (total)"] for r in second["tasks"]] == [

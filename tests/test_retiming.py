@@ -10,7 +10,7 @@ import pytest
 from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
 from tensortune.codegen.target import make_task
 from tensortune.codegen.timing import TimingConfig
-from tensortune.flows.tuning import apply_best, tune_task
+from tensortune.flows.tuning import NetworkTuner, apply_best, default_programs, tune_task
 from tensortune.search.sketch_policy import SearchParams
 from tensortune.storage.records import RecordStore
 from tensortune.tasks.reference import evaluate, mismatch
@@ -70,3 +70,23 @@ def test_a_resumed_task_is_compared_with_its_stored_bests_timed_again(tmp_path, 
     out = np.empty((64, 64), np.float32)
     kernel(*inputs, out)
     assert mismatch(out, evaluate(task.dag, inputs)[0]) is None
+
+
+def test_a_default_schedule_timed_again_is_what_speedups_are_counted_from(tmp_path, measurer):
+    """The flow's "speedup vs default" takes the default schedule's newest timing: its re-timing, when the
+    default is among the stored bests a resumed run times again, not the figure of a faster night."""
+    task = make_task(make_dag("matmul", 64, 64, 64))
+    default = default_programs(task)[0].steps_json()
+    night1 = RecordStore(str(tmp_path / "night1"))
+    tune_task(task, 8, measurer=measurer, params=PARAMS, records=night1, seed=0, measure_default=True)
+    store = RecordStore(str(tmp_path / "resumed"))
+    store.append([dataclasses.replace(r, record_id="", latencies=[x * FAST_NIGHT / 10 for x in r.latencies],
+                                      mean_latency=r.mean_latency * FAST_NIGHT / 10, gflops=float("nan"))
+                  if r.steps == default else r for r in night1.load_records()])
+    stored = store.read().query("steps == @default")["mean_latency"].item()
+    tuner = NetworkTuner([task], 8, measurer, params=PARAMS, records=store)
+    retimed = store.read().query("retiming and steps == @default")
+    assert len(retimed) == 1 and tuner.incumbents[0][0][0] == default
+    assert tuner.default_stored[0] == retimed["mean_latency"].item() > stored
+    resumed_only = NetworkTuner([task], 8, None, params=PARAMS, records=store)    # nothing timed again:
+    assert resumed_only.default_stored[0] == retimed["mean_latency"].item()      # the newest timing
