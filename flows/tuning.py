@@ -27,7 +27,7 @@ from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tensortune.search.task_scheduler import INF_COST, Objective, TaskScheduler, effective_costs
-from tensortune.storage.queries import competing_mask, incumbents
+from tensortune.storage.queries import competing_mask, fastest_programs
 from tensortune.storage.records import MeasureRecord, RecordStore
 from tensortune.storage.tasks import TaskStore
 from tensortune.tasks.extract import NetworkTasks, extract_tasks
@@ -145,6 +145,25 @@ def resume_policy(policy: SketchPolicy, frame: pd.DataFrame) -> int:
     return len({c.key for c in cands})
 
 
+def incumbents(policy: SketchPolicy, frame: pd.DataFrame, k: int) -> list[tuple[str, str]]:
+    """(steps, kernel) of the task's `k` fastest competing stored programs (frame: its records) that
+    replay under today's rules, fastest first: what a resumed run times again. A program an older rule
+    set stored and IllegalStep now refuses is passed over for the next, so a stale figure is not kept
+    for want of a program to time (resume_policy passed over the same ones)."""
+    out: list[tuple[str, str]] = []
+    if k < 1:
+        return out
+    for steps, kernel in fastest_programs(frame):
+        if len(out) >= k:
+            break
+        try:
+            State.from_json(policy.task.dag, steps)
+        except IllegalStep:
+            continue
+        out.append((steps, kernel))
+    return out
+
+
 @dataclass(frozen=True)
 class Retiming:
     """A resumed task's best stored programs timed again: how many, the best figure stored before and
@@ -159,7 +178,7 @@ class Retiming:
 def retime_stored_bests(policy: SketchPolicy, measurer: Measurer, records: RecordStore,
                         programs: Sequence[tuple[str, str]], *, timings: int = CONFIRM_TIMINGS, round_: int = 0,
                         flow_run_id: str = "", network: str = "") -> Retiming | None:
-    """Time the task's fastest stored `programs` ((steps, kernel), storage.queries.incumbents) again
+    """Time the task's fastest stored `programs` ((steps, kernel), `incumbents`) again
     (each 1 + `timings` times, as a best is confirmed) before a resumed run measures anything of it,
     append them as re-timing records, and make the fastest of them the policy's best; None when there
     is none to time.
@@ -297,7 +316,7 @@ def tune_task(task: SearchTask, trials: int, *, measurer: Measurer | None = None
         if records is not None:
             stored = records.records_of(task.workload_key, target=task.target)
             if resume_policy(policy, stored) and retime:
-                retime_stored_bests(policy, measurer, records, incumbents(stored, retime), timings=confirm,
+                retime_stored_bests(policy, measurer, records, incumbents(policy, stored, retime), timings=confirm,
                                     flow_run_id=flow_run_id, network=network)
         if policy.best is not None:
             result.best_steps, result.best_latency = policy.best[1].steps_json, policy.best_cost
@@ -432,7 +451,7 @@ class NetworkTuner:
         for i, p in enumerate(self.policies):
             stored = self.records.records_of(p.task.workload_key, target=p.task.target)
             n = self.history[i] = resume_policy(p, stored)
-            self.incumbents[i] = incumbents(stored, self.retime)
+            self.incumbents[i] = incumbents(p, stored, self.retime)
             default = self.default_steps[i]
             if n and default is not None:
                 ran = stored[(stored["steps"] == default) & (stored["error_code"] == 0)]

@@ -145,6 +145,8 @@ def export_log(store: RecordStore, out: str, workloads: Sequence[str] = (), hist
         others = store.read(columns=["task_name"])["task_name"].value_counts()
         for name, n in others[~others.index.isin(names)].items():
             summary.skipped[f"tasks of {name or 'unnamed workloads'}: no TVM workload is shared for it"] += int(n)
+    # the rule per task and target, over every name it was stored under
+    frame = frame.assign(_live=True if history else competing_mask(frame, ["workload_key", "target"]))
     lines: list[str] = []
     for (key, target, name, label), group in frame.groupby(
             ["workload_key", "target", "task_name", "task_label"], sort=False):
@@ -157,13 +159,11 @@ def export_log(store: RecordStore, out: str, workloads: Sequence[str] = (), hist
             continue
         hardware = astuple(resolved.hardware)
         task = TVMTask(tvm_key, tvm_target(str(target), hardware), hardware)
-        if not history:
-            live = competing_mask(group, ["workload_key", "target"])
-            if not live.all():
-                summary.skipped[f"records of {label or name} older than its newest re-timing: timed on another "
-                                f"night, TVM would take them for the best (--history writes them)"] += int(
-                                    (~live).sum())
-                group = group[live]
+        live = group["_live"].to_numpy(dtype=bool)
+        if not live.all():
+            summary.skipped[f"records of {label or name} older than its newest re-timing: timed on another "
+                            f"night, TVM would take them for the best (--history writes them)"] += int((~live).sum())
+            group = group[live]
         for record in frame_to_records(group):
             try:
                 steps = to_tvm(State.from_json(task_of.dag, record.steps), task_of.tvm_dag)

@@ -59,15 +59,14 @@ def competing_mask(frame: pd.DataFrame, by: list[str], retimings: pd.DataFrame |
     return (baseline.isna() | (stamps >= baseline)).to_numpy(dtype=bool)
 
 
-def incumbents(frame: pd.DataFrame, k: int) -> list[tuple[str, str]]:
-    """(steps, kernel) of one task's `k` fastest distinct programs among its competing successful
-    records (frame: that task's records on one target), fastest first: what a resumed run times again."""
-    if frame.empty or k < 1:
+def fastest_programs(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """(steps, kernel) of one task's distinct programs among its competing successful records (frame:
+    that task's records on one target), fastest first: a resumed run times the first few again."""
+    if frame.empty:
         return []
     live = frame[competing_mask(frame, ["workload_key"]) & ok_mask(frame)]
     ranked = live.sort_values(["mean_latency", "timestamp"], kind="stable").drop_duplicates("steps")
-    top = ranked.head(k)
-    return [(str(steps), str(kernel)) for steps, kernel in zip(top["steps"], top["kernel"])]
+    return [(str(steps), str(kernel)) for steps, kernel in zip(ranked["steps"], ranked["kernel"])]
 
 
 def task_counts(table: pa.Table, by: list[str]) -> pd.DataFrame:

@@ -186,8 +186,10 @@ class RecordStore:
     def best_per_task(self, network: str | None = None, target: str | None = None) -> pd.DataFrame:
         """The fastest successful record of each task (workload_key) on each target, among those since
         its newest re-timing (storage.queries.competing_mask), with the task's record and error counts
-        (n_records, n_errors). `network` keeps only records measured for that network (and its
-        re-timings). Tasks with no successful record are left out (see error_counts())."""
+        (n_records, n_errors). `network` keeps only records measured for that network; a task's newest
+        re-timing counts under whichever network's run made it (a timing from another night is stale
+        for every reader, as resume and export-tvm have it). Tasks with no successful record are left
+        out (see error_counts())."""
         network_filter = _match("network", network)
         candidates = self._scanner.scan(list(RECORD_COLUMNS),
                                         _all_of(ok_expression(), network_filter),
@@ -204,10 +206,11 @@ class RecordStore:
     def _competing(self, leaders: pd.DataFrame, network_filter: pc.Expression | None,
                    target: str | None) -> pd.DataFrame:
         """The best-record candidates under storage.queries.competing_mask: `leaders` as they are for
-        tasks never re-timed; for a re-timed task, its successful records since its newest re-timing,
-        read in full (a compaction's leaders are the best rows of each file, which may all be older)."""
+        tasks never re-timed; for a re-timed task, its successful records since its newest re-timing
+        (of any network), read in full (a compaction's leaders are the best rows of each file, which may
+        all be older)."""
         by = ["target", "workload_key"]
-        retimings = self._scanner.scan([*by, "timestamp", "retiming"], _all_of(pc.field("retiming"), network_filter),
+        retimings = self._scanner.scan([*by, "timestamp", "retiming"], pc.field("retiming"),
                                        _targets(target), leaders=True).to_pandas()     # compaction keeps them there
         if retimings.empty:
             return leaders

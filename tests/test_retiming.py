@@ -3,6 +3,7 @@ best: with the real LLVM measurer, on a store whose timings were made five times
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -80,8 +81,11 @@ def test_a_default_schedule_timed_again_is_what_speedups_are_counted_from(tmp_pa
     night1 = RecordStore(str(tmp_path / "night1"))
     tune_task(task, 8, measurer=measurer, params=PARAMS, records=night1, seed=0, measure_default=True)
     store = RecordStore(str(tmp_path / "resumed"))
-    store.append([dataclasses.replace(r, record_id="", latencies=[x * FAST_NIGHT / 10 for x in r.latencies],
-                                      mean_latency=r.mean_latency * FAST_NIGHT / 10, gflops=float("nan"))
+    fastest = night1.best_per_task()["mean_latency"].item()
+    # the default as stored by a faster night (whatever tonight's first timing of it gave, on a loaded
+    # machine even a failure): the fastest stored program, so the first one timed again
+    store.append([dataclasses.replace(r, record_id="", latencies=[fastest * FAST_NIGHT], mean_latency=math.nan,
+                                      gflops=float("nan"), error_code=0, error_msg="")
                   if r.steps == default else r for r in night1.load_records()])
     stored = store.read().query("steps == @default")["mean_latency"].item()
     tuner = NetworkTuner([task], 8, measurer, params=PARAMS, records=store)
@@ -90,3 +94,21 @@ def test_a_default_schedule_timed_again_is_what_speedups_are_counted_from(tmp_pa
     assert tuner.default_stored[0] == retimed["mean_latency"].item() > stored
     resumed_only = NetworkTuner([task], 8, None, params=PARAMS, records=store)    # nothing timed again:
     assert resumed_only.default_stored[0] == retimed["mean_latency"].item()      # the newest timing
+
+
+def test_a_stored_program_that_no_longer_replays_is_passed_over_for_the_next(tmp_path, measurer):
+    """An older rule set's program that today's rules refuse (here: steps that do not parse) cannot be
+    timed again; the next fastest are, so three stored programs are still tonight's figures."""
+    task = make_task(make_dag("matmul", 64, 64, 64))
+    night1 = RecordStore(str(tmp_path / "night1"))
+    tune_task(task, 8, measurer=measurer, params=PARAMS, records=night1, seed=0)
+    store = _fast_night(night1, str(tmp_path / "resumed"))
+    fastest = store.best_per_task().iloc[0]
+    store.append([dataclasses.replace(store.load_records()[0], record_id="", steps="[[\"an older rule\"]]",
+                                      mean_latency=fastest["mean_latency"] / 2, latencies=[], error_code=0,
+                                      error_msg="")])
+    ranked = store.read().query("error_code == 0").sort_values("mean_latency")["steps"].drop_duplicates()
+    assert ranked.iloc[0] == "[[\"an older rule\"]]"
+    tune_task(task, 0, measurer=measurer, params=PARAMS, records=store, seed=1)
+    retimed = store.read().query("retiming")
+    assert list(retimed["steps"]) == list(ranked[1:4]) and (retimed["error_code"] == 0).all()

@@ -122,6 +122,11 @@ def test_a_tasks_records_before_its_newest_retiming_no_longer_compete_for_its_be
     # the counts still count every record
     counts = store.best_per_task().set_index("workload_key")
     assert counts.loc["a", "n_records"] == 7 and counts.loc["c", "n_errors"] == 1
+    # a re-timing made by another network's run sets the cut-off in this network's view too: bert's
+    # record of "b" is from the older night, the same program timed again under resnet is tonight's
+    store.append([_r("b", 2.5e-3, minutes=70, steps="[b,0.002,3,0]", network="resnet", run="run-3", retiming=True)])
+    assert store.best_per_task().set_index("workload_key").loc["b", "mean_latency"] == 2.5e-3
+    assert store.best_per_task(network="bert")["workload_key"].tolist() == ["a", "c"]
 
 
 def test_since_finds_records_stamped_after_the_day_their_file_was_written(tmp_path):
