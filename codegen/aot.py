@@ -366,7 +366,7 @@ def compile_network(net: NetworkTasks, records: Mapping[str, str | list | None] 
     t_start = time.perf_counter()
     t = parse_target(target)
     if t.kind != "llvm":
-        raise AOTError(f"compile builds CPU libraries only (an llvm target), got {target!s}")
+        raise AOTError(f"a compiled library is for CPUs only (an llvm target), got {target!s}")
     records = records or {}
     p = c_name(name or net.source.name)
     os.makedirs(out_dir, exist_ok=True)

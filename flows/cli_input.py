@@ -10,12 +10,16 @@ from __future__ import annotations
 import inspect
 import os
 import socket
-from typing import NoReturn
+import warnings
+from typing import TYPE_CHECKING, NoReturn
 from urllib.parse import urlsplit
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+if TYPE_CHECKING:
+    from tensortune.storage.records import RecordStore
 
 USAGE = 2
 FAILED = 1
@@ -62,18 +66,82 @@ def records_to_read(path: str) -> str:
     return path
 
 
-def records_to_write(path: str) -> str:
-    """A record store a command writes: created when missing, but never a file or under one."""
-    if _is_url(path):
-        return path
+def _unwritable(path: str) -> str | None:
+    """Why no folder can be made or written at `path` (None: one can): the nearest existing folder on
+    its way is a file, or not writable by this user."""
     folder = os.path.abspath(path)
     while not os.path.exists(folder):
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
-        fail(f"cannot use {path} as a record store: {folder} is a file", USAGE)
+        return f"{folder} is a file"
     if not os.access(folder, os.W_OK):
-        fail(f"cannot write a record store at {path}: {folder} is not writable", USAGE)
+        return f"{folder} is not writable"
+    return None
+
+
+def records_to_write(path: str) -> str:
+    """A record store a command writes: created when missing, but never a file or under one."""
+    if _is_url(path):
+        return path
+    problem = _unwritable(path)
+    if problem:
+        fail(f"cannot write a record store at {path}: {problem}", USAGE)
     return path
+
+
+def folder_to_write(option: str, path: str) -> str:
+    """A folder a command writes its output into (created when missing), checked before the work that
+    fills it: not empty, not a file or under one, writable."""
+    if not path.strip():
+        fail(f"{option} is empty; name the folder to write into", USAGE)
+    problem = _unwritable(path)
+    if problem:
+        fail(f"cannot write into {option} {path}: {problem}", USAGE)
+    return path
+
+
+def open_store(path: str, *, write: bool = False, quarantine: bool = False) -> "RecordStore":
+    """The record store at `path`, checked readable now (records_to_read / records_to_write first): a
+    corrupt or foreign file in it, a folder this user cannot list, a URL that does not answer, fail
+    here as one message and exit 1, not as a traceback after a build, a banner or a Prefect server.
+    The check is the best-record query every command that reads a store runs anyway (a few tenths of a
+    second on 300 000 records). `write`: a missing store is created (nothing to check); `quarantine`:
+    bad files are moved to <path>/_quarantine/ with a warning instead."""
+    import pyarrow as pa
+
+    from tensortune.storage.records import RecordStore
+    exists = _is_url(path) or os.path.exists(path)
+    if write:
+        records_to_write(path)
+    else:
+        records_to_read(path)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            policy = "quarantine" if quarantine else "raise"
+            store = RecordStore(path, on_bad_file=policy) if write else RecordStore(
+                path, on_bad_file=policy, auto_compact=None)
+            if exists:
+                store.best_per_task()
+    except (OSError, RuntimeError, ValueError, pa.ArrowException) as err:    # BadFileError is a RuntimeError
+        fail(store_failure(path, err))
+    for warning in caught:                 # files quarantined: say which, as a line of its own
+        Console(stderr=True).print(f"[yellow]warning:[/yellow] {escape(str(warning.message))}", highlight=False,
+                                   soft_wrap=True)
+    return store
+
+
+def store_failure(path: str, err: BaseException) -> str:
+    """What stops the record store at `path` from being read, as one line for `fail`: for bad files, how
+    many, the first and what is wrong with it, and how to move them aside; else the error with its type
+    (PermissionError, an unreachable URL ...)."""
+    from tensortune.storage.integrity import BadFileError
+    if isinstance(err, BadFileError) and err.problems:
+        first = min(err.problems)
+        return (f"record store {path} holds {len(err.problems)} file(s) that are not readable tensortune record "
+                f"files ({first}: {err.problems[first]}); `tensortune history --records {path} --quarantine` "
+                f"moves them to its _quarantine/ folder")
+    return f"cannot read the record store {path}: {type(err).__name__}: {err}"
 
 
 def check_cluster(address: str | None, timeout: float = CLUSTER_CONNECT_SECONDS) -> str | None:
@@ -99,8 +167,11 @@ def check_cluster(address: str | None, timeout: float = CLUSTER_CONNECT_SECONDS)
 def check_workload_args(name: str, signature: inspect.Signature, positional: list) -> None:
     """Sizes given by position must be all of the workload's sizes (its int parameters), so a missing
     one is an error instead of a silent default; none at all means the registered defaults."""
-    sizes = [p for p in signature.parameters.values() if p.annotation in (int, "int")]
-    if positional and len(positional) < len(sizes):
+    params = list(signature.parameters.values())
+    sizes = [p for p in params if p.annotation in (int, "int")]
+    # a size too many lands on a parameter that is no size (matmul's dtype): say so, not "unknown dtype 64"
+    beyond = [p.annotation for p, v in zip(params[len(sizes):], positional[len(sizes):]) if type(v) is int]
+    if positional and (len(positional) < len(sizes) or len(positional) > len(params) or beyond):
         defaults = ",".join(str(p.default) for p in sizes)
         fail(f"{name} takes {len(sizes)} sizes ({', '.join(p.name for p in sizes)}), got {len(positional)}: "
              f"pass all of them, or none for the defaults ({defaults})", USAGE)

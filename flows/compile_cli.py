@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tensortune.flows.cli_app import app
-from tensortune.flows.cli_input import USAGE, fail, records_to_read
+from tensortune.flows.cli_input import USAGE, fail, folder_to_write, open_store
 from tensortune.flows.network_cli import (
     BatchOption,
     ImageSizeOption,
@@ -45,11 +45,9 @@ def compile_command(network: NetworkArg,
     from tensortune.codegen.aot import AOTError
     from tensortune.codegen.target import TargetError, parse_target
     from tensortune.flows.tuned_network import compile_tuned
-    from tensortune.storage.records import RecordStore
-    if records:
-        records_to_read(records)
     if os.path.exists(output) and not os.path.isdir(output):
         fail(f"--output {output} exists and is not a folder", USAGE)
+    folder_to_write("--output", output)
     if shutil.which(os.environ.get("CC", "cc")) is None:
         fail(f"no C compiler to link with ({os.environ.get('CC', 'cc')} not found; set CC)")
     target = with_threads(target, threads)
@@ -60,7 +58,7 @@ def compile_command(network: NetworkArg,
         fail(str(err), USAGE)
     graph = load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                   input_shapes=input_shape)
-    store = RecordStore(records, auto_compact=None) if records else None
+    store = open_store(records) if records else None
     net = _extract(graph, stored_winograd_tiles(store))    # a Winograd form runs where its record is faster
     console = Console(width=max(120, Console().width))
     try:

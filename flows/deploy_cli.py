@@ -1,14 +1,20 @@
 """`tensortune make-certs`: the TLS certificates of a cluster deployment (flows/cluster_security.py)."""
 from __future__ import annotations
 
+import re
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
 from tensortune.flows.cli_app import app
-from tensortune.flows.cli_input import USAGE, fail
+from tensortune.flows.cli_input import USAGE, fail, folder_to_write
 from tensortune.flows.cluster_security import TLS_DIR_ENV, make_certificates
+
+# a DNS name (labels of letters, digits and hyphens), an IPv4 address or an IPv6 one: what a certificate's
+# subject alternative names hold
+HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}"
+                       r"[A-Za-z0-9])?)*|[0-9A-Fa-f:.]+:[0-9A-Fa-f:.]*")
 
 
 @app.command("make-certs")
@@ -23,6 +29,10 @@ def make_certs(folder: Annotated[str, typer.Argument(help="Folder to write the C
     target = Path(folder)
     if target.exists() and not target.is_dir():
         fail(f"{folder} is a file, not a folder", USAGE)
+    folder_to_write("the certificate folder", folder)
+    for name in host or []:
+        if not HOST_NAME.fullmatch(name):
+            fail(f"--host {name!r} is not a host name or IP address", USAGE)
     if (target / "ca.pem").exists() and not force:
         fail(f"{folder} already holds a cluster CA; pass --force to replace it (every node then needs the new files)",
              USAGE)

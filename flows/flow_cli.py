@@ -18,7 +18,7 @@ from rich.table import Table
 
 from tensortune.codegen.confirmation import RETIME_PROGRAMS
 from tensortune.flows.cli_app import app
-from tensortune.flows.cli_input import USAGE, check_cluster, check_count, fail, records_to_write
+from tensortune.flows.cli_input import USAGE, check_cluster, check_count, fail, open_store, records_to_write
 from tensortune.flows.network_cli import (
     BatchOption,
     ImageSizeOption,
@@ -96,6 +96,8 @@ def tune(network: NetworkArg,
     check_count("--trials", trials)
     check_count("--per-round", per_round)
     tiles = winograd_tiles(winograd)
+    if not 1 <= port <= 65535:
+        fail(f"--port must be a TCP port, 1 to 65535, got {port}", USAGE)
     url = _records_url(records_to_write(records))
     load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                  input_shapes=input_shape)
@@ -108,6 +110,7 @@ def tune(network: NetworkArg,
     except (TargetError, ValueError) as err:
         fail(str(err), USAGE)
     check_cluster(cluster)
+    open_store(records, write=True)          # a corrupt store fails here, not in the flow's first step
     try:
         server = ensure_server(port)
     except PrefectServerError as err:

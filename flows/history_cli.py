@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from tensortune.flows.cli_app import app
-from tensortune.flows.cli_input import fail, records_to_read
+from tensortune.flows.cli_input import USAGE, fail, open_store, store_failure
 from tensortune.storage.integrity import BadFileError
-from tensortune.storage.records import DEFAULT_ROOT, RecordStore
+from tensortune.storage.records import DEFAULT_ROOT
 
 RecordsOption = Annotated[str, typer.Option(
     "--records", envvar="TENSORTUNE_RECORDS",
@@ -33,15 +33,16 @@ def history(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None
             = False,
             quarantine: QuarantineOption = False) -> None:
     """Tuning runs so far, or (with --task) the best latency of one task run after run."""
-    store = _open(records, quarantine)
+    target = _stored_target(target)
+    store = open_store(records, quarantine=quarantine)
     if task is None:
-        frame = _query(lambda: store.runs(network=network, target=target))
+        frame = _query(records, lambda: store.runs(network=network, target=target))
         _print(frame, f"flow runs in {records}", [
             ("flow run", "flow_run_id", str), ("start", "start", _time), ("end", "end", _time),
             ("networks", "networks", str), ("targets", "targets", str), ("tasks", "n_tasks", str),
             ("records", "n_records", str), ("errors", "n_errors", str)])
         return
-    frame = _query(lambda: store.history(task, target=target, network=network,
+    frame = _query(records, lambda: store.history(task, target=target, network=network,
                                          per="round" if per_round else "run"))
     if frame.empty:
         fail(f"no records of task {task!r} in {records} (a task's name or workload key; `tensortune best` "
@@ -60,8 +61,9 @@ def history(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None
 def best(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None,
          target: TargetOption = None, quarantine: QuarantineOption = False) -> None:
     """The fastest schedule found so far for every task."""
-    store = _open(records, quarantine)
-    frame = _query(lambda: store.best_per_task(network=network, target=target))
+    target = _stored_target(target)
+    store = open_store(records, quarantine=quarantine)
+    frame = _query(records, lambda: store.best_per_task(network=network, target=target))
     _print(frame, f"best per task in {records}", [
         ("target", "target", str), ("task", "task_name", str), ("network", "network", str),
         ("best ms", "mean_latency", _ms), ("GFLOP/s", "gflops", _number),
@@ -69,22 +71,26 @@ def best(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None,
         ("measured", "timestamp", _time), ("workload key", "workload_key", _short)])
 
 
-def _open(records: str, quarantine: bool) -> RecordStore:
+def _stored_target(target: str | None) -> str | None:
+    """--target as records name it: `llvm` is this CPU with its thread count (`llvm -mcpu=X
+    -num-threads=N`), so the filter finds what `tensortune tune --target llvm` stored here."""
+    from tensortune.codegen.target import TargetError, parse_target
+    if target is None:
+        return None
     try:
-        return RecordStore(records_to_read(records), on_bad_file="quarantine" if quarantine else "raise",
-                           auto_compact=None)
-    except ValueError as exc:
-        fail(str(exc))
+        return str(parse_target(target))
+    except TargetError as err:
+        fail(str(err), USAGE)
 
 
-def _query(run: Callable[[], pd.DataFrame]) -> pd.DataFrame:
+def _query(records: str, run: Callable[[], pd.DataFrame]) -> pd.DataFrame:
     """Run a query; a store problem becomes a message and exit code 1, a warning a yellow line."""
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             frame = run()
-    except (BadFileError, ValueError) as exc:
-        fail(str(exc))
+    except (BadFileError, ValueError, OSError) as exc:
+        fail(store_failure(records, exc))
     for warning in caught:
         Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning.message}", highlight=False, soft_wrap=True)
     return frame

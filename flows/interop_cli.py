@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from tensortune.flows.cli_app import app
-from tensortune.flows.cli_input import USAGE, fail, records_to_read, records_to_write
+from tensortune.flows.cli_input import USAGE, fail, open_store, records_to_read, store_failure
 from tensortune.flows.history_cli import RecordsOption
 from tensortune.storage.records import DEFAULT_ROOT
 
@@ -46,8 +46,6 @@ def export_tvm(out: Annotated[str, typer.Option("--out", help="The TVM log (JSON
     """Write the store's records of workloads TVM shares as a TVM auto_scheduler log: those that compete
     for each task's best (since its newest re-timing), or all of them with --history."""
     from tensortune.flows.tvm_interop import export_log
-    from tensortune.storage.integrity import BadFileError
-    from tensortune.storage.records import RecordStore
     from tensortune.tasks.tvm_workloads import EXPORTED
     records_to_read(records)
     unknown = sorted(set(workload or ()) - set(EXPORTED))
@@ -58,10 +56,15 @@ def export_tvm(out: Annotated[str, typer.Option("--out", help="The TVM log (JSON
         fail(f"--out {out} is a folder; name the log file to write", USAGE)
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         fail(f"--out {out}: {folder} is not a writable folder", USAGE)
+    store = open_store(records)
     try:
-        summary = export_log(RecordStore(records, auto_compact=None), out, workload or (), history)
-    except (BadFileError, ValueError) as err:
+        summary = export_log(store, out, workload or (), history)
+    except ValueError as err:
         fail(str(err))
+    except RuntimeError as err:                             # the store changed under the read (BadFileError ...)
+        fail(store_failure(records, err))
+    except OSError as err:                                  # the store was read just now: the log is the one
+        fail(f"cannot write {out}: {err}")
     console = Console()
     _report(console, summary)
     if not summary.done:
@@ -78,8 +81,6 @@ def import_tvm(log: Annotated[str, typer.Argument(help="A TVM auto_scheduler log
     """Add a TVM auto_scheduler log's records of shared workloads to the store, as tensortune programs."""
     from tensortune.codegen.target import TargetError, parse_target
     from tensortune.flows.tvm_interop import check_log, import_log
-    from tensortune.storage.integrity import BadFileError
-    from tensortune.storage.records import RecordStore
     from tensortune.storage.tvm_records import TVMLogError
     if not os.path.exists(log):
         fail(f"no TVM log at {log}", USAGE)
@@ -91,11 +92,13 @@ def import_tvm(log: Annotated[str, typer.Argument(help="A TVM auto_scheduler log
             parse_target(target)
     except (TVMLogError, TargetError) as err:
         fail(str(err), USAGE)
-    records_to_write(records)
+    store = open_store(records, write=True)
     try:
-        summary = import_log(log, RecordStore(records), target)
-    except (BadFileError, TVMLogError, ValueError) as err:
+        summary = import_log(log, store, target)
+    except (TVMLogError, ValueError) as err:
         fail(str(err))
+    except (OSError, RuntimeError) as err:                  # the store (BadFileError is a RuntimeError)
+        fail(store_failure(records, err))
     console = Console()
     _report(console, summary)
     if not summary.done and not summary.already:

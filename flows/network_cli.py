@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tensortune.flows.cli_app import app
-from tensortune.flows.cli_input import USAGE, fail, records_to_read
+from tensortune.flows.cli_input import USAGE, fail, open_store
 from tensortune.tasks.extract import ExtractError, NetworkTasks, extract_tasks
 from tensortune.tasks.graph import Graph
 from tensortune.tasks.graph_ops import GraphError
@@ -67,6 +67,18 @@ def with_threads(target: str, threads: int | None) -> str:
     return " ".join(kept + [f"-num-threads={threads}"])
 
 
+def check_target(target: str) -> str:
+    """A target string that parses (an empty one is a mistake, not this CPU), or one clear error line."""
+    from tensortune.codegen.target import TargetError, parse_target
+    if not target.strip():
+        fail("--target is empty; use llvm (this CPU) or 'cuda -arch=sm_90'", USAGE)
+    try:
+        parse_target(target)
+    except TargetError as err:
+        fail(str(err), USAGE)
+    return target
+
+
 def load_network(network: str, **kw) -> Graph:
     """The network a command names (a builder or an .onnx file), or one clear error line."""
     try:
@@ -89,6 +101,7 @@ def extract(network: NetworkArg, batch: BatchOption = None, seq_len: SeqLenOptio
             winograd: WinogradOption = None) -> None:
     """The network's tuning tasks: fused subgraphs deduplicated by workload key, with weights and FLOPs."""
     from tensortune.codegen.target import TargetError, make_task
+    check_target(target)
     graph = load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                   input_shapes=input_shape)
     net = _extract(graph, winograd_tiles(winograd))
@@ -126,14 +139,15 @@ def run_network(network: NetworkArg,
     The network runs on the thread count its records were tuned with (the target they were measured
     on), unless --threads or a target with -num-threads says otherwise. A conv whose Winograd form was
     tuned (tune --winograd) runs in the form whose record is faster."""
-    from tensortune.codegen.target import TargetError
+    from tensortune.codegen.target import TargetError, parse_target
     from tensortune.flows.tuned_network import measure_tuned_network
-    from tensortune.storage.records import RecordStore
-    store = RecordStore(records_to_read(records), auto_compact=None) if records else None
+    target = check_target(with_threads(target, threads))
+    if compiled and parse_target(target).kind != "llvm":
+        fail(f"--compiled runs a CPU library (an llvm target), got {target!r}", USAGE)
+    store = open_store(records) if records else None
     graph = load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                   input_shapes=input_shape)
     net = _extract(graph, stored_winograd_tiles(store))    # forms without a faster record drop out at build
-    target = with_threads(target, threads)
     console = Console(width=max(120, Console().width))
     if compiled:
         from tensortune.codegen.aot import AOTError

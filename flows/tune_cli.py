@@ -19,8 +19,7 @@ from tensortune.flows.cli_input import (
     check_model,
     check_workload_args,
     fail,
-    records_to_read,
-    records_to_write,
+    open_store,
 )
 
 if TYPE_CHECKING:                     # the CLI imports the heavy modules only in the command that runs
@@ -127,12 +126,11 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
     from tensortune.flows.tuning import tune_task
     from tensortune.schedule.state import State
     from tensortune.search.sketch_policy import SearchParams
-    from tensortune.storage.records import RecordStore
     check_count("--trials", trials)
     check_count("--per-round", per_round)
     check_model(model)
     task = _task(op, args, target)
-    store = RecordStore(records_to_write(records)) if records else None
+    store = open_store(records, write=True) if records else None
     run_id = cli_run_id("tune-op")
     console.print(f"tuning [bold]{task.name}[/bold] ({task.flops / 1e9:.3f} GFLOP) on {task.target}, "
                   f"{trials} trials, records: {records or 'none'}, run {run_id}")
@@ -179,14 +177,11 @@ def show(op: str = typer.Argument(..., help="registered workload"),
     from tensortune.flows.tuning import best_steps
     from tensortune.schedule.stage import IllegalStep
     from tensortune.schedule.state import State
-    from tensortune.storage.records import RecordStore
     if records is None:
         records = "./tuning-records" if os.path.isdir("./tuning-records") else ""
-    elif records:
-        records_to_read(records)
     task = _task(op, args, target)
     if not steps and records:
-        steps = best_steps(task, RecordStore(records)) or ""
+        steps = best_steps(task, open_store(records)) or ""
     try:
         state = State.from_json(task.dag, steps) if steps else State(task.dag)
     except IllegalStep as err:

@@ -86,8 +86,8 @@ def handle_bad_files(location: Location, problems: dict[str, str], policy: str) 
         raise BadFileError(
             f"record store {location.url} holds {len(problems)} file(s) that are not readable "
             f"tensortune record files:\n{listing}\nNothing was read. Move them out of the store, or "
-            f"open it with RecordStore(..., on_bad_file='quarantine') (CLI: --quarantine) to move them "
-            f"to {location.path(QUARANTINE_DIR)}/ and carry on.", problems)
+            f"open it with RecordStore(..., on_bad_file='quarantine') (CLI: `tensortune history --quarantine`) "
+            f"to move them to {location.path(QUARANTINE_DIR)}/ and carry on.", problems)
     for path in sorted(problems):
         destination = location.path(QUARANTINE_DIR, location.relative(path))
         if location.fs.get_file_info(destination).type != pafs.FileType.NotFound:

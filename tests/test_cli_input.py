@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tensortune.flows.cli import app
+from tensortune.storage.records import MeasureRecord, RecordStore
 
 
 def _closed_port() -> int:
@@ -26,8 +27,18 @@ def paths(tmp_path, monkeypatch):
     (tmp_path / "random.onnx").write_bytes(bytes(range(256)) * 4)
     store = tmp_path / "store"
     store.mkdir()
+    # a store with one record file cut short (a disk that filled, a copy that stopped) and one with a
+    # file that is no record file at all
+    corrupt = RecordStore(str(tmp_path / "corrupt"))
+    corrupt.append([MeasureRecord(workload_key="k", target="llvm", steps="[]", latencies=[1e-3])])
+    part = next((tmp_path / "corrupt").rglob("*.parquet"))
+    part.write_bytes(part.read_bytes()[:200])
+    stray = RecordStore(str(tmp_path / "stray"))
+    stray.append([MeasureRecord(workload_key="k", target="llvm", steps="[]", latencies=[1e-3])])
+    (tmp_path / "stray" / "notes.txt").write_text("not a record file")
     return {"file": str(tmp_path / "a-file"), "missing": str(tmp_path / "nowhere"), "store": str(store),
-            "onnx": str(tmp_path / "random.onnx")}
+            "onnx": str(tmp_path / "random.onnx"), "corrupt": str(tmp_path / "corrupt"),
+            "stray": str(tmp_path / "stray")}
 
 
 MISTAKES = [
@@ -54,12 +65,34 @@ MISTAKES = [
     (["tune", "resnet-18", "--target", "llvm -num-threads=0"], 2, "num-threads"),
     (["tune", "resnet-18", "--cluster", "nonsense"], 2, "is not a scheduler address"),
     (["tune", "resnet-18", "--cluster", "tcp://127.0.0.1:{closed}"], 1, "no Dask scheduler answers"),
+    (["tune", "resnet-18", "--port", "70000"], 2, "--port must be a TCP port"),
+    (["tune-op", "matmul", "--args", "64,64,64,64"], 2, "matmul takes 3 sizes (N, M, K), got 4"),
+    (["show", "matmul", "--args", "64,64,64,64"], 2, "matmul takes 3 sizes (N, M, K), got 4"),
+    (["extract", "resnet-18", "--target", "bogus"], 2, "unknown target 'bogus'"),
+    (["extract", "resnet-18", "--target", ""], 2, "--target is empty"),
+    (["run-network", "resnet-18", "--target", "bogus"], 2, "unknown target 'bogus'"),
+    (["run-network", "resnet-18", "--compiled", "--target", "cuda -arch=sm_90"], 2, "--compiled runs a CPU library"),
+    (["best", "--records", "{store}", "--target", "bogus"], 2, "unknown target 'bogus'"),
+    (["compile", "resnet-18", "-o", "{file}/lib"], 2, "a-file is a file"),
+    (["make-certs", "{file}/certs"], 2, "a-file is a file"),
+    (["make-certs", ""], 2, "the certificate folder is empty"),
+    (["make-certs", "certs", "--host", "bad host!"], 2, "is not a host name or IP address"),
+    # a store that cannot be read fails before the work: no traceback after a build or a banner
+    *[(argv, 1, f"record store {{{which}}} holds 1 file(s) that are not readable") for which in ("corrupt", "stray")
+      for argv in (["best", "--records", f"{{{which}}}"], ["history", "--records", f"{{{which}}}"],
+                   ["show", "matmul", "--records", f"{{{which}}}"],
+                   ["run-network", "resnet-18", "--records", f"{{{which}}}"],
+                   ["compile", "resnet-18", "-o", "lib", "--records", f"{{{which}}}"],
+                   ["tune-op", "matmul", "--trials", "1", "--records", f"{{{which}}}"],
+                   ["tune", "resnet-18", "--records", f"{{{which}}}"],
+                   ["export-tvm", "--records", f"{{{which}}}", "--out", "x.json"])],
 ]
 
 
 @pytest.mark.parametrize("argv,code,message", MISTAKES, ids=[" ".join(m[0][:3]) for m in MISTAKES])
 def test_a_mistake_is_one_line_and_a_nonzero_exit(paths, argv, code, message):
     argv = [a.format(closed=_closed_port(), **paths) for a in argv]
+    message = message.format(**paths)
     result = CliRunner().invoke(app, argv)
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == code, result.output

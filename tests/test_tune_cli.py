@@ -95,7 +95,7 @@ def test_show_prints_the_stored_best(tuned):
 
 @pytest.mark.parametrize("argv, message", [
     (["tune-op", "no_such_op", "--trials", "1"], "unknown workload 'no_such_op'"),
-    (["tune-op", "matmul", "--args", "4,4,4,4,4,4,4", "--trials", "1"], "too many"),
+    (["tune-op", "matmul", "--args", "4,4,4,4,4,4,4", "--trials", "1"], "takes 3 sizes (N, M, K), got 7"),
     (["show", "matmul", "--args", "8,8,8", "--steps", '[["SP",2,0,8,[16],1]]'], "split lengths [16]"),
     (["show", "matmul", "--args", "8,8,8", "--steps", "[[not json"], "JSON"),
 ])
