@@ -11,7 +11,7 @@ import inspect
 import os
 import socket
 import warnings
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 from urllib.parse import urlsplit
 
 import typer
@@ -43,6 +43,16 @@ def check_count(option: str, value: int, high: int = MAX_TRIALS) -> int:
     if not 1 <= value <= high:
         fail(f"{option} must be between 1 and {high:,}, got {value:,}", USAGE)
     return value
+
+
+def at_least(option: str, low: float) -> Callable[[Any], Any]:
+    """A typer option callback: the value (None passes) must be at least `low`, else one error line
+    (typer's own `min=` answers with a boxed usage message of several lines)."""
+    def check(value: Any) -> Any:
+        if value is not None and value < low:
+            fail(f"{option} must be at least {low:g}, got {value:g}", USAGE)
+        return value
+    return check
 
 
 def check_model(name: str) -> str:

@@ -18,7 +18,15 @@ from rich.table import Table
 
 from tensortune.codegen.confirmation import RETIME_PROGRAMS
 from tensortune.flows.cli_app import app
-from tensortune.flows.cli_input import USAGE, check_cluster, check_count, fail, open_store, records_to_write
+from tensortune.flows.cli_input import (
+    USAGE,
+    at_least,
+    check_cluster,
+    check_count,
+    fail,
+    open_store,
+    records_to_write,
+)
 from tensortune.flows.network_cli import (
     BatchOption,
     ImageSizeOption,
@@ -56,24 +64,29 @@ def tune(network: NetworkArg,
          seq_len: SeqLenOption = None, layers: LayersOption = None, input_shape: InputShapeOption = None,
          per_round: Annotated[int, typer.Option("--per-round", help="Measurements per round.")] = 64,
          retrain_every: Annotated[int, typer.Option(
-             "--retrain-every", min=1,
+             "--retrain-every", callback=at_least("--retrain-every", 1),
              help="Retrain the cost model every R rounds (1: after every round, as the library learns).")] = 1,
          population: Annotated[Optional[int], typer.Option(
-             "--population", min=16, help="Evolutionary search population (TVM: 2048).")] = None,
+             "--population", callback=at_least("--population", 16),
+             help="Evolutionary search population (TVM: 2048).")] = None,
          latency_target_ms: Annotated[Optional[float], typer.Option(
-             "--latency-target-ms", min=0.0, help="Stop once the network's estimated latency meets this.")] = None,
+             "--latency-target-ms", callback=at_least("--latency-target-ms", 0.0),
+             help="Stop once the network's estimated latency meets this.")] = None,
          early_stopping: Annotated[Optional[int], typer.Option(
-             "--early-stopping", min=1, help="Give a task no more trials after this many without improvement.")]
+             "--early-stopping", callback=at_least("--early-stopping", 1),
+             help="Give a task no more trials after this many without improvement.")]
          = None,
          objective: Annotated[Optional[str], typer.Option(
              "--objective", help="What the task scheduler minimises: f1 (weighted latency sum), f2 (f1 down to "
                                  "--latency-target-ms; the default when one is given), f3 (geometric-mean "
                                  "speedup over --reference-ms).")] = None,
          reference_ms: Annotated[Optional[float], typer.Option(
-             "--reference-ms", min=0.0, help="f3: the network latency to beat (e.g. ONNX Runtime's).")] = None,
+             "--reference-ms", callback=at_least("--reference-ms", 0.0),
+             help="f3: the network latency to beat (e.g. ONNX Runtime's).")] = None,
          seed: int = 0, winograd: WinogradOption = None,
          retime: Annotated[int, typer.Option(
-             "--retime", min=0, help="Time each resumed task's best N stored programs again first, so this run "
+             "--retime", callback=at_least("--retime", 0),
+             help="Time each resumed task's best N stored programs again first, so this run "
                                      "compares with tonight's figures (0: trust the stored timings).")]
          = RETIME_PROGRAMS,
          time_network: Annotated[bool, typer.Option(

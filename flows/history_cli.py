@@ -33,6 +33,8 @@ def history(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None
             = False,
             quarantine: QuarantineOption = False) -> None:
     """Tuning runs so far, or (with --task) the best latency of one task run after run."""
+    if per_round and task is None:
+        fail("--per-round needs --task (the rounds of one task); without it the table has a row per run", USAGE)
     target = _stored_target(target)
     store = open_store(records, quarantine=quarantine)
     if task is None:

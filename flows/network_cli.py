@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tensortune.flows.cli_app import app
-from tensortune.flows.cli_input import USAGE, fail, open_store
+from tensortune.flows.cli_input import USAGE, at_least, fail, open_store
 from tensortune.tasks.extract import ExtractError, NetworkTasks, extract_tasks
 from tensortune.tasks.graph import Graph
 from tensortune.tasks.graph_ops import GraphError
@@ -20,10 +20,13 @@ if TYPE_CHECKING:
 
 NetworkArg = Annotated[str, typer.Argument(
     help=f"A network ({', '.join(network_names())}) or the path of an .onnx model.")]
-BatchOption = Annotated[Optional[int], typer.Option("--batch", min=1, help="Batch size (default 1).")]
-SeqLenOption = Annotated[Optional[int], typer.Option("--seq-len", min=1, help="BERT: sequence length.")]
-LayersOption = Annotated[Optional[int], typer.Option("--layers", min=1, help="BERT: encoder layers.")]
-ImageSizeOption = Annotated[Optional[int], typer.Option("--image-size", min=1,
+BatchOption = Annotated[Optional[int], typer.Option("--batch", callback=at_least("--batch", 1),
+                                                    help="Batch size (default 1).")]
+SeqLenOption = Annotated[Optional[int], typer.Option("--seq-len", callback=at_least("--seq-len", 1),
+                                                     help="BERT: sequence length.")]
+LayersOption = Annotated[Optional[int], typer.Option("--layers", callback=at_least("--layers", 1),
+                                                     help="BERT: encoder layers.")]
+ImageSizeOption = Annotated[Optional[int], typer.Option("--image-size", callback=at_least("--image-size", 1),
                                                         help="ResNet/MobileNet: input height and width.")]
 InputShapeOption = Annotated[Optional[list[str]], typer.Option(
     "--input-shape", help="ONNX: NAME=D0,D1,... for an input with symbolic dimensions (repeatable).")]
@@ -32,7 +35,8 @@ RecordsOption = Annotated[Optional[str], typer.Option(
     "--records", envvar="TENSORTUNE_RECORDS",
     help="Record store to take each task's best schedule from (default schedules without).")]
 ThreadsOption = Annotated[Optional[int], typer.Option(
-    "--threads", min=1, help="CPU threads every kernel runs on (default: all cores; the target's -num-threads).")]
+    "--threads", callback=at_least("--threads", 1),
+    help="CPU threads every kernel runs on (default: all cores; the target's -num-threads).")]
 
 
 WinogradOption = Annotated[Optional[str], typer.Option(
@@ -126,7 +130,8 @@ def run_network(network: NetworkArg,
                 records: RecordsOption = None,
                 batch: BatchOption = None, seq_len: SeqLenOption = None, layers: LayersOption = None,
                 image_size: ImageSizeOption = None, input_shape: InputShapeOption = None,
-                repeat: Annotated[int, typer.Option("--repeat", min=1, help="Timed runs.")] = 10,
+                repeat: Annotated[int, typer.Option("--repeat", callback=at_least("--repeat", 1),
+                                                    help="Timed runs.")] = 10,
                 target: TargetOption = "llvm", threads: ThreadsOption = None,
                 check: Annotated[bool, typer.Option("--check/--no-check",
                                                     help="Compare the outputs with the NumPy reference.")] = True,

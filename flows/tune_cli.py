@@ -15,6 +15,7 @@ from tensortune.codegen.confirmation import RETIME_PROGRAMS
 from tensortune.flows.cli_app import app
 from tensortune.flows.cli_input import (
     USAGE,
+    at_least,
     check_count,
     check_model,
     check_workload_args,
@@ -119,7 +120,8 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
             model: str = typer.Option("xgb", help="cost model: xgb (Ansor's regression), xgb-rank (pairwise "
                                                    "ranking) or random"),
             per_round: int = typer.Option(64, help="measurements per round"),
-            retime: int = typer.Option(RETIME_PROGRAMS, min=0, help="time the best N stored programs again first, "
+            retime: int = typer.Option(RETIME_PROGRAMS, callback=at_least("--retime", 0),
+                                       help="time the best N stored programs again first, "
                                        "so the run compares with today's figures (0: trust the stored timings)"),
             seed: int = typer.Option(0)) -> None:
     """Tune one operator and print the best program's schedule and loop nest."""

@@ -9,7 +9,7 @@ ordinary thing to meet in a real log, not an error.
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from collections import Counter
 from dataclasses import astuple, dataclass, field
 from typing import Sequence
@@ -176,7 +176,8 @@ def export_log(store: RecordStore, out: str, workloads: Sequence[str] = (), hist
     if not lines:
         return summary
     folder = os.path.dirname(os.path.abspath(out))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tvm-log-", suffix=".tmp")
+    tmp = os.path.join(folder, f".tvm-log-{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)     # an ordinary file: the umask decides
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))

@@ -80,6 +80,11 @@ def _parse(onnx, data: bytes, where: str):
         raise OnnxImportError(f"{where}: not a valid ONNX model (cannot decode the protobuf: {err})") from None
 
 
+def _pass_shape(name: str) -> str:
+    """How to give an input's sizes, in the library and on the command line."""
+    return f"pass concrete sizes: input_shapes={{{name!r}: (...)}}, or --input-shape {name}=D0,D1,... on the CLI"
+
+
 def import_onnx(source, input_shapes: Mapping[str, Sequence[int]] | None = None, name: str | None = None) -> Graph:
     """Import an ONNX model as a Graph; `input_shapes` fixes inputs whose dimensions are symbolic."""
     model = expand_functions(load_model(source), set(CONVERTERS))
@@ -212,8 +217,7 @@ class _Importer:
                 shape = tuple(int(s) for s in self.input_shapes[vi.name])
             else:
                 if not tt.HasField("shape"):
-                    raise OnnxImportError(f"graph input {vi.name!r} has no shape; pass input_shapes="
-                                          f"{{{vi.name!r}: (...)}}")
+                    raise OnnxImportError(f"graph input {vi.name!r} has no shape; {_pass_shape(vi.name)}")
                 dims: list[int] = []
                 for d, dim in enumerate(tt.shape.dim):
                     if dim.HasField("dim_value") and dim.dim_value > 0:
@@ -221,14 +225,14 @@ class _Importer:
                     else:
                         sym = dim.dim_param or "?"
                         raise OnnxImportError(f"graph input {vi.name!r} has a symbolic dimension {sym!r} (axis {d}); "
-                                              f"pass input_shapes={{{vi.name!r}: (...)}} with concrete sizes")
+                                              f"{_pass_shape(vi.name)}")
                 shape = tuple(dims)
             if any(s <= 0 for s in shape):
                 raise OnnxImportError(f"graph input {vi.name!r}: shape {list(shape)} must be positive")
             self.env[vi.name] = self.b.input(vi.name, shape, dtype)
         unknown = set(self.input_shapes) - {vi.name for vi in self.model.graph.input}
         if unknown:
-            raise OnnxImportError(f"input_shapes names {sorted(unknown)}, which are not graph inputs "
+            raise OnnxImportError(f"input shapes given for {sorted(unknown)}, which are not graph inputs "
                                   f"({', '.join(vi.name for vi in self.model.graph.input if vi.name not in inits)})")
 
     def run(self) -> Graph:
