@@ -82,7 +82,9 @@ def task_counts(table: pa.Table, by: list[str]) -> pd.DataFrame:
 
 def history_table(frame: pd.DataFrame, per: str) -> pd.DataFrame:
     """The best latency of each task per flow run (per="run") or per round (per="round"), in time
-    order, with the best so far across everything before it."""
+    order, with the best so far: across everything before it since the task's newest re-timing before
+    it (a run that timed the stored bests again starts the count anew, as competing_mask has it; frame
+    without a `retiming` column: never re-timed)."""
     if per not in ("run", "round"):
         raise ValueError(f"per={per!r}: use 'run' or 'round'")
     keys = ["target", "workload_key", "flow_run_id"] + (["round"] if per == "round" else [])
@@ -95,15 +97,17 @@ def history_table(frame: pd.DataFrame, per: str) -> pd.DataFrame:
     work["_latency"] = np.where(ok, work["mean_latency"], np.nan)
     work["_gflops"] = np.where(ok, work["gflops"], np.nan)
     work["_error"] = work["error_code"] != 0
+    work["_retimed"] = frame["retiming"].to_numpy(dtype=bool) if "retiming" in frame else False
     table = (work.groupby(keys, observed=True, sort=False)
              .agg(task_name=("task_name", "first"), task_label=("task_label", "last"), start=("timestamp", "min"),
                   end=("timestamp", "max"), n_records=("timestamp", "size"),
                   n_errors=("_error", "sum"), best_latency=("_latency", "min"),
-                  best_gflops=("_gflops", "max"))
+                  best_gflops=("_gflops", "max"), _retimed=("_retimed", "any"))
              .reset_index()
              .sort_values(["target", "workload_key", "start"], kind="stable"))
-    table["best_so_far"] = table.groupby(["target", "workload_key"], sort=False)["best_latency"].cummin()
-    return table.reset_index(drop=True)
+    since = table.groupby(["target", "workload_key"], sort=False)["_retimed"].cumsum()
+    table["best_so_far"] = table.groupby(["target", "workload_key", since], sort=False)["best_latency"].cummin()
+    return table.drop(columns="_retimed").reset_index(drop=True)
 
 
 def error_table(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:

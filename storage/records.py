@@ -228,7 +228,7 @@ class RecordStore:
         filter = _all_of((pc.field("workload_key") == task) | (pc.field("task_name") == task),
                          _match("network", network))
         columns = ["target", "workload_key", "flow_run_id", "round", "task_name", "task_label", "network",
-                   "timestamp", "mean_latency", "gflops", "error_code"]
+                   "timestamp", "mean_latency", "gflops", "error_code", "retiming"]
         frame = self._scanner.scan(columns, filter, _targets(target)).to_pandas()
         return history_table(frame, per)
 

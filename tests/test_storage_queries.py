@@ -119,6 +119,10 @@ def test_a_tasks_records_before_its_newest_retiming_no_longer_compete_for_its_be
     store.append([_r("a", 1.55e-3, minutes=62, steps="t", run="run-2"), _r("c", 2e-3, minutes=63, steps="v",
                                                                           run="run-2")])
     assert best() == {**expected, "c": ("v", 2e-3)}
+    # the history's best so far starts anew with the night that timed the stored bests again
+    runs = store.history("a")
+    assert runs["best_latency"].tolist() == [1.0e-3, 1.5e-3] and runs["best_so_far"].tolist() == [1.0e-3, 1.5e-3]
+    assert store.history("b")["best_so_far"].tolist() == [2e-3]
     # the counts still count every record
     counts = store.best_per_task().set_index("workload_key")
     assert counts.loc["a", "n_records"] == 7 and counts.loc["c", "n_errors"] == 1
