@@ -48,17 +48,17 @@ def compile_command(network: NetworkArg,
     if os.path.exists(output) and not os.path.isdir(output):
         fail(f"--output {output} exists and is not a folder", USAGE)
     folder_to_write("--output", output)
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        fail(f"no C compiler to link with ({os.environ.get('CC', 'cc')} not found; set CC)")
     target = with_threads(target, threads)
     try:
         if parse_target(target).kind != "llvm":
             fail(f"compile builds CPU libraries only (an llvm target), got {target!r}", USAGE)
     except TargetError as err:
         fail(str(err), USAGE)
+    store = open_store(records) if records else None
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        fail(f"no C compiler to link with ({os.environ.get('CC', 'cc')} not found; set CC)")
     graph = load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                   input_shapes=input_shape)
-    store = open_store(records) if records else None
     net = _extract(graph, stored_winograd_tiles(store))    # a Winograd form runs where its record is faster
     console = Console(width=max(120, Console().width))
     try:

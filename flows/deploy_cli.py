@@ -1,6 +1,7 @@
 """`tensortune make-certs`: the TLS certificates of a cluster deployment (flows/cluster_security.py)."""
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Optional
 
@@ -11,10 +12,25 @@ from tensortune.flows.cli_app import app
 from tensortune.flows.cli_input import USAGE, fail, folder_to_write
 from tensortune.flows.cluster_security import TLS_DIR_ENV, make_certificates
 
-# a DNS name (labels of letters, digits and hyphens), an IPv4 address or an IPv6 one: what a certificate's
-# subject alternative names hold
-HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}"
-                       r"[A-Za-z0-9])?)*|[0-9A-Fa-f:.]+:[0-9A-Fa-f:.]*")
+# a DNS name as certificates carry them: labels of letters, digits, hyphens and underscores (compose
+# service names), a leading `*.` wildcard, a trailing dot
+DNS_NAME = re.compile(r"(\*\.)?[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                      r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
+
+
+def host_problem(name: str) -> str | None:
+    """Why `name` cannot be a host of the cluster's certificate (None: it can): an IP address (which
+    make_certificates stores as one) or a DNS name; a port is no part of either."""
+    try:
+        ipaddress.ip_address(name)
+        return None
+    except ValueError:
+        pass
+    if ":" in name:
+        return "is not a host name or IP address (a port does not belong in --host)"
+    if not DNS_NAME.fullmatch(name):
+        return "is not a host name or IP address"
+    return None
 
 
 @app.command("make-certs")
@@ -31,8 +47,9 @@ def make_certs(folder: Annotated[str, typer.Argument(help="Folder to write the C
         fail(f"{folder} is a file, not a folder", USAGE)
     folder_to_write("the certificate folder", folder)
     for name in host or []:
-        if not HOST_NAME.fullmatch(name):
-            fail(f"--host {name!r} is not a host name or IP address", USAGE)
+        problem = host_problem(name)
+        if problem:
+            fail(f"--host {name!r} {problem}", USAGE)
     if (target / "ca.pem").exists() and not force:
         fail(f"{folder} already holds a cluster CA; pass --force to replace it (every node then needs the new files)",
              USAGE)

@@ -23,6 +23,7 @@ from tensortune.flows.cli_input import (
     at_least,
     check_cluster,
     check_count,
+    check_target,
     fail,
     open_store,
     records_to_write,
@@ -64,16 +65,16 @@ def tune(network: NetworkArg,
          seq_len: SeqLenOption = None, layers: LayersOption = None, input_shape: InputShapeOption = None,
          per_round: Annotated[int, typer.Option("--per-round", help="Measurements per round.")] = 64,
          retrain_every: Annotated[int, typer.Option(
-             "--retrain-every", callback=at_least("--retrain-every", 1),
+             "--retrain-every", **at_least("--retrain-every", 1),
              help="Retrain the cost model every R rounds (1: after every round, as the library learns).")] = 1,
          population: Annotated[Optional[int], typer.Option(
-             "--population", callback=at_least("--population", 16),
+             "--population", **at_least("--population", 16),
              help="Evolutionary search population (TVM: 2048).")] = None,
          latency_target_ms: Annotated[Optional[float], typer.Option(
-             "--latency-target-ms", callback=at_least("--latency-target-ms", 0.0),
+             "--latency-target-ms", **at_least("--latency-target-ms", 0.0),
              help="Stop once the network's estimated latency meets this.")] = None,
          early_stopping: Annotated[Optional[int], typer.Option(
-             "--early-stopping", callback=at_least("--early-stopping", 1),
+             "--early-stopping", **at_least("--early-stopping", 1),
              help="Give a task no more trials after this many without improvement.")]
          = None,
          objective: Annotated[Optional[str], typer.Option(
@@ -81,11 +82,11 @@ def tune(network: NetworkArg,
                                  "--latency-target-ms; the default when one is given), f3 (geometric-mean "
                                  "speedup over --reference-ms).")] = None,
          reference_ms: Annotated[Optional[float], typer.Option(
-             "--reference-ms", callback=at_least("--reference-ms", 0.0),
+             "--reference-ms", **at_least("--reference-ms", 0.0),
              help="f3: the network latency to beat (e.g. ONNX Runtime's).")] = None,
          seed: int = 0, winograd: WinogradOption = None,
          retime: Annotated[int, typer.Option(
-             "--retime", callback=at_least("--retime", 0),
+             "--retime", **at_least("--retime", 0),
              help="Time each resumed task's best N stored programs again first, so this run "
                                      "compares with tonight's figures (0: trust the stored timings).")]
          = RETIME_PROGRAMS,
@@ -100,7 +101,6 @@ def tune(network: NetworkArg,
     """Tune a network as a Prefect flow with Dask-measured rounds, resuming from the record store."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tensortune.codegen.target import TargetError, parse_target
     from tensortune.flows.dask_cluster import ClusterError
     from tensortune.flows.prefect_server import PrefectServerError, ensure_server
     from tensortune.flows.tune_flow import tune_network_flow
@@ -114,13 +114,13 @@ def tune(network: NetworkArg,
     url = _records_url(records_to_write(records))
     load_network(network, batch=batch, seq_len=seq_len, layers=layers, image_size=image_size,
                  input_shapes=input_shape)
+    check_target(with_threads(target, threads))
     try:
-        parse_target(with_threads(target, threads))
         if objective is not None or reference_ms is not None:
             network_objective(objective or ("f2" if latency_target_ms is not None else "f1"), network, [1.0],
                               latency_target_s=latency_target_ms / 1e3 if latency_target_ms else None,
                               reference_s=reference_ms / 1e3 if reference_ms else None)
-    except (TargetError, ValueError) as err:
+    except ValueError as err:
         fail(str(err), USAGE)
     check_cluster(cluster)
     open_store(records, write=True)          # a corrupt store fails here, not in the flow's first step

@@ -6,14 +6,16 @@ import warnings
 from typing import Annotated, Callable, Optional
 
 import pandas as pd
+import pyarrow as pa
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from tensortune.flows.cli_app import app
-from tensortune.flows.cli_input import USAGE, fail, open_store, store_failure
+from tensortune.flows.cli_input import USAGE, check_target, fail, open_store, store_failure
 from tensortune.storage.integrity import BadFileError
 from tensortune.storage.records import DEFAULT_ROOT
+from tensortune.storage.scan import StoreChangedError
 
 RecordsOption = Annotated[str, typer.Option(
     "--records", envvar="TENSORTUNE_RECORDS",
@@ -35,8 +37,8 @@ def history(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None
     """Tuning runs so far, or (with --task) the best latency of one task run after run."""
     if per_round and task is None:
         fail("--per-round needs --task (the rounds of one task); without it the table has a row per run", USAGE)
-    target = _stored_target(target)
-    store = open_store(records, quarantine=quarantine)
+    target = check_target(target) if target is not None else None   # as records name it
+    store = open_store(records, quarantine=quarantine, check=False)   # _query reports
     if task is None:
         frame = _query(records, lambda: store.runs(network=network, target=target))
         _print(frame, f"flow runs in {records}", [
@@ -63,8 +65,8 @@ def history(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None
 def best(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None,
          target: TargetOption = None, quarantine: QuarantineOption = False) -> None:
     """The fastest schedule found so far for every task."""
-    target = _stored_target(target)
-    store = open_store(records, quarantine=quarantine)
+    target = check_target(target) if target is not None else None   # as records name it
+    store = open_store(records, quarantine=quarantine, check=False)   # _query reports
     frame = _query(records, lambda: store.best_per_task(network=network, target=target))
     _print(frame, f"best per task in {records}", [
         ("target", "target", str), ("task", "task_name", str), ("network", "network", str),
@@ -73,25 +75,13 @@ def best(records: RecordsOption = DEFAULT_ROOT, network: NetworkOption = None,
         ("measured", "timestamp", _time), ("workload key", "workload_key", _short)])
 
 
-def _stored_target(target: str | None) -> str | None:
-    """--target as records name it: `llvm` is this CPU with its thread count (`llvm -mcpu=X
-    -num-threads=N`), so the filter finds what `tensortune tune --target llvm` stored here."""
-    from tensortune.codegen.target import TargetError, parse_target
-    if target is None:
-        return None
-    try:
-        return str(parse_target(target))
-    except TargetError as err:
-        fail(str(err), USAGE)
-
-
 def _query(records: str, run: Callable[[], pd.DataFrame]) -> pd.DataFrame:
     """Run a query; a store problem becomes a message and exit code 1, a warning a yellow line."""
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             frame = run()
-    except (BadFileError, ValueError, OSError) as exc:
+    except (BadFileError, StoreChangedError, ValueError, OSError, pa.ArrowException) as exc:
         fail(store_failure(records, exc))
     for warning in caught:
         Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning.message}", highlight=False, soft_wrap=True)

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tensortune.flows.cli_app import app
-from tensortune.flows.cli_input import USAGE, at_least, fail, open_store
+from tensortune.flows.cli_input import USAGE, at_least, check_target, fail, open_store
 from tensortune.tasks.extract import ExtractError, NetworkTasks, extract_tasks
 from tensortune.tasks.graph import Graph
 from tensortune.tasks.graph_ops import GraphError
@@ -20,13 +20,13 @@ if TYPE_CHECKING:
 
 NetworkArg = Annotated[str, typer.Argument(
     help=f"A network ({', '.join(network_names())}) or the path of an .onnx model.")]
-BatchOption = Annotated[Optional[int], typer.Option("--batch", callback=at_least("--batch", 1),
+BatchOption = Annotated[Optional[int], typer.Option("--batch", **at_least("--batch", 1),
                                                     help="Batch size (default 1).")]
-SeqLenOption = Annotated[Optional[int], typer.Option("--seq-len", callback=at_least("--seq-len", 1),
+SeqLenOption = Annotated[Optional[int], typer.Option("--seq-len", **at_least("--seq-len", 1),
                                                      help="BERT: sequence length.")]
-LayersOption = Annotated[Optional[int], typer.Option("--layers", callback=at_least("--layers", 1),
+LayersOption = Annotated[Optional[int], typer.Option("--layers", **at_least("--layers", 1),
                                                      help="BERT: encoder layers.")]
-ImageSizeOption = Annotated[Optional[int], typer.Option("--image-size", callback=at_least("--image-size", 1),
+ImageSizeOption = Annotated[Optional[int], typer.Option("--image-size", **at_least("--image-size", 1),
                                                         help="ResNet/MobileNet: input height and width.")]
 InputShapeOption = Annotated[Optional[list[str]], typer.Option(
     "--input-shape", help="ONNX: NAME=D0,D1,... for an input with symbolic dimensions (repeatable).")]
@@ -35,7 +35,7 @@ RecordsOption = Annotated[Optional[str], typer.Option(
     "--records", envvar="TENSORTUNE_RECORDS",
     help="Record store to take each task's best schedule from (default schedules without).")]
 ThreadsOption = Annotated[Optional[int], typer.Option(
-    "--threads", callback=at_least("--threads", 1),
+    "--threads", **at_least("--threads", 1),
     help="CPU threads every kernel runs on (default: all cores; the target's -num-threads).")]
 
 
@@ -69,18 +69,6 @@ def with_threads(target: str, threads: int | None) -> str:
         return target
     kept = [p for p in target.split() if not p.startswith(("-num-threads=", "-num-cores="))]
     return " ".join(kept + [f"-num-threads={threads}"])
-
-
-def check_target(target: str) -> str:
-    """A target string that parses (an empty one is a mistake, not this CPU), or one clear error line."""
-    from tensortune.codegen.target import TargetError, parse_target
-    if not target.strip():
-        fail("--target is empty; use llvm (this CPU) or 'cuda -arch=sm_90'", USAGE)
-    try:
-        parse_target(target)
-    except TargetError as err:
-        fail(str(err), USAGE)
-    return target
 
 
 def load_network(network: str, **kw) -> Graph:
@@ -130,7 +118,7 @@ def run_network(network: NetworkArg,
                 records: RecordsOption = None,
                 batch: BatchOption = None, seq_len: SeqLenOption = None, layers: LayersOption = None,
                 image_size: ImageSizeOption = None, input_shape: InputShapeOption = None,
-                repeat: Annotated[int, typer.Option("--repeat", callback=at_least("--repeat", 1),
+                repeat: Annotated[int, typer.Option("--repeat", **at_least("--repeat", 1),
                                                     help="Timed runs.")] = 10,
                 target: TargetOption = "llvm", threads: ThreadsOption = None,
                 check: Annotated[bool, typer.Option("--check/--no-check",
@@ -146,7 +134,8 @@ def run_network(network: NetworkArg,
     tuned (tune --winograd) runs in the form whose record is faster."""
     from tensortune.codegen.target import TargetError, parse_target
     from tensortune.flows.tuned_network import measure_tuned_network
-    target = check_target(with_threads(target, threads))
+    target = with_threads(target, threads)
+    check_target(target)                    # validated; passed on as given (a bare llvm: the records' threads)
     if compiled and parse_target(target).kind != "llvm":
         fail(f"--compiled runs a CPU library (an llvm target), got {target!r}", USAGE)
     store = open_store(records) if records else None

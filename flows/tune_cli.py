@@ -120,7 +120,7 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
             model: str = typer.Option("xgb", help="cost model: xgb (Ansor's regression), xgb-rank (pairwise "
                                                    "ranking) or random"),
             per_round: int = typer.Option(64, help="measurements per round"),
-            retime: int = typer.Option(RETIME_PROGRAMS, callback=at_least("--retime", 0),
+            retime: int = typer.Option(RETIME_PROGRAMS, **at_least("--retime", 0),
                                        help="time the best N stored programs again first, "
                                        "so the run compares with today's figures (0: trust the stored timings)"),
             seed: int = typer.Option(0)) -> None:

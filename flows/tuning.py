@@ -478,7 +478,9 @@ class NetworkTuner:
                                                 flow_run_id=self.flow_run_id, network=self.network_name)
             if done is None:
                 continue
-            self.default_stored[i] = done.timed.get(self.default_steps[i] or "", self.default_stored[i])
+            now = done.timed.get(self.default_steps[i] or "", math.inf)
+            if math.isfinite(now):                  # a failed re-timing replaces nothing
+                self.default_stored[i] = now
             self._restore(i)
             if on_task is not None:
                 on_task(i, done)

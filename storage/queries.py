@@ -66,7 +66,10 @@ def fastest_programs(frame: pd.DataFrame) -> list[tuple[str, str]]:
         return []
     live = frame[competing_mask(frame, ["workload_key"]) & ok_mask(frame)]
     ranked = live.sort_values(["mean_latency", "timestamp"], kind="stable").drop_duplicates("steps")
-    return [(str(steps), str(kernel)) for steps, kernel in zip(ranked["steps"], ranked["kernel"])]
+    # a program's kernel as its newest record names it (a record from before kernels were named has "")
+    named = frame[frame["kernel"] != ""].drop_duplicates("steps", keep="last")
+    kernels = dict(zip(named["steps"], named["kernel"]))
+    return [(str(steps), str(kernels.get(steps, ""))) for steps in ranked["steps"]]
 
 
 def task_counts(table: pa.Table, by: list[str]) -> pd.DataFrame:
@@ -80,11 +83,13 @@ def task_counts(table: pa.Table, by: list[str]) -> pd.DataFrame:
         [*by, "n_records", "n_errors"]]
 
 
-def history_table(frame: pd.DataFrame, per: str) -> pd.DataFrame:
+def history_table(frame: pd.DataFrame, per: str, retimings: pd.DataFrame | None = None) -> pd.DataFrame:
     """The best latency of each task per flow run (per="run") or per round (per="round"), in time
     order, with the best so far: across everything before it since the task's newest re-timing before
-    it (a run that timed the stored bests again starts the count anew, as competing_mask has it; frame
-    without a `retiming` column: never re-timed)."""
+    it (a run that timed the stored bests again starts the count anew, as competing_mask has it).
+    `retimings`: the re-timing rows (target, workload_key, timestamp) to count, by default `frame`'s own
+    (a frame without a `retiming` column: none); a history of one network passes every network's, as
+    the best-record query takes them."""
     if per not in ("run", "round"):
         raise ValueError(f"per={per!r}: use 'run' or 'round'")
     keys = ["target", "workload_key", "flow_run_id"] + (["round"] if per == "round" else [])
@@ -97,17 +102,24 @@ def history_table(frame: pd.DataFrame, per: str) -> pd.DataFrame:
     work["_latency"] = np.where(ok, work["mean_latency"], np.nan)
     work["_gflops"] = np.where(ok, work["gflops"], np.nan)
     work["_error"] = work["error_code"] != 0
-    work["_retimed"] = frame["retiming"].to_numpy(dtype=bool) if "retiming" in frame else False
     table = (work.groupby(keys, observed=True, sort=False)
              .agg(task_name=("task_name", "first"), task_label=("task_label", "last"), start=("timestamp", "min"),
                   end=("timestamp", "max"), n_records=("timestamp", "size"),
                   n_errors=("_error", "sum"), best_latency=("_latency", "min"),
-                  best_gflops=("_gflops", "max"), _retimed=("_retimed", "any"))
+                  best_gflops=("_gflops", "max"))
              .reset_index()
              .sort_values(["target", "workload_key", "start"], kind="stable"))
-    since = table.groupby(["target", "workload_key"], sort=False)["_retimed"].cumsum()
-    table["best_so_far"] = table.groupby(["target", "workload_key", since], sort=False)["best_latency"].cummin()
-    return table.drop(columns="_retimed").reset_index(drop=True)
+    if retimings is None:
+        retimings = frame[frame["retiming"].to_numpy(dtype=bool)] if "retiming" in frame else frame.iloc[:0]
+    utc = "datetime64[ns]"         # tz-aware UTC as plain numpy times, comparable with each other
+    stamps = {key: np.sort(group["timestamp"].to_numpy(dtype=utc)) for key, group in
+              retimings.groupby(["target", "workload_key"], observed=True)}
+    # the re-timings a row's records come after (its newest at or after them): its count since
+    epoch = [int(np.searchsorted(stamps[(t, k)], end, side="right")) if (t, k) in stamps else 0
+             for t, k, end in zip(table["target"], table["workload_key"], table["end"].to_numpy(dtype=utc))]
+    table["best_so_far"] = table.groupby(["target", "workload_key", np.asarray(epoch)],
+                                         sort=False)["best_latency"].cummin()
+    return table.reset_index(drop=True)
 
 
 def error_table(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:

@@ -228,9 +228,12 @@ class RecordStore:
         filter = _all_of((pc.field("workload_key") == task) | (pc.field("task_name") == task),
                          _match("network", network))
         columns = ["target", "workload_key", "flow_run_id", "round", "task_name", "task_label", "network",
-                   "timestamp", "mean_latency", "gflops", "error_code", "retiming"]
+                   "timestamp", "mean_latency", "gflops", "error_code"]
         frame = self._scanner.scan(columns, filter, _targets(target)).to_pandas()
-        return history_table(frame, per)
+        of_task = (pc.field("workload_key") == task) | (pc.field("task_name") == task)
+        retimings = self._scanner.scan(["target", "workload_key", "timestamp"], _all_of(of_task, pc.field("retiming")),
+                                       _targets(target), leaders=True).to_pandas()     # any network's, as best_per_task
+        return history_table(frame, per, retimings)
 
     def runs(self, network: str | None = None, target: str | None = None) -> pd.DataFrame:
         """One row per flow run: time span, networks, targets, tasks, records and errors."""

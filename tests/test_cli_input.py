@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tensortune.flows.cli import app
+from tensortune.flows.deploy_cli import host_problem
 from tensortune.storage.records import MeasureRecord, RecordStore
 
 
@@ -77,6 +78,7 @@ MISTAKES = [
     (["make-certs", "{file}/certs"], 2, "a-file is a file"),
     (["make-certs", ""], 2, "the certificate folder is empty"),
     (["make-certs", "certs", "--host", "bad host!"], 2, "is not a host name or IP address"),
+    (["make-certs", "certs", "--host", "10.0.0.5:8786"], 2, "a port does not belong in --host"),
     (["history", "--records", "{store}", "--per-round"], 2, "--per-round needs --task"),
     (["tune-op", "matmul", "--retime", "-1"], 2, "--retime must be at least 0, got -1"),
     (["run-network", "resnet-18", "--threads", "0"], 2, "--threads must be at least 1, got 0"),
@@ -103,3 +105,9 @@ def test_a_mistake_is_one_line_and_a_nonzero_exit(paths, argv, code, message):
     assert result.exit_code == code, result.output
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
     assert "Traceback" not in result.output and "Prefect API" not in result.output
+
+
+@pytest.mark.parametrize("host", ["localhost", "10.0.0.5", "::1", "*.example.com", "dask_scheduler",
+                                  "node-3.cluster.example.com."])
+def test_a_host_a_certificate_can_carry_is_taken(host):
+    assert host_problem(host) is None

@@ -131,6 +131,11 @@ def test_a_tasks_records_before_its_newest_retiming_no_longer_compete_for_its_be
     store.append([_r("b", 2.5e-3, minutes=70, steps="[b,0.002,3,0]", network="resnet", run="run-3", retiming=True)])
     assert store.best_per_task().set_index("workload_key").loc["b", "mean_latency"] == 2.5e-3
     assert store.best_per_task(network="bert")["workload_key"].tolist() == ["a", "c"]
+    # and in its history: a bert run after resnet's re-timing counts its best from there
+    store.append([_r("b", 2.2e-3, minutes=80, steps="w", run="run-4")])
+    bert = store.history("b", network="bert")
+    assert bert["flow_run_id"].tolist() == ["run-1", "run-4"] and bert["best_so_far"].tolist() == [2e-3, 2.2e-3]
+    assert store.best_per_task(network="bert").set_index("workload_key").loc["b", "mean_latency"] == 2.2e-3
 
 
 def test_since_finds_records_stamped_after_the_day_their_file_was_written(tmp_path):
