@@ -67,12 +67,14 @@ def _is_url(path: str) -> bool:
 
 
 def records_to_read(path: str) -> str:
-    """A record store a command only reads: it must exist (a folder, or a URL the store opens later)."""
-    if _is_url(path):
+    """A record store a command only reads: it must exist (a folder, or a URL the store opens later; a
+    file:// URL is a folder here, checked as one)."""
+    if _is_url(path) and urlsplit(path).scheme != "file":
         return path
-    if not os.path.exists(path):
+    local = urlsplit(path).path if _is_url(path) else path
+    if not os.path.exists(local):
         fail(f"no record store at {path} (the folder does not exist; tune first, or pass --records)", USAGE)
-    if not os.path.isdir(path):
+    if not os.path.isdir(local):
         fail(f"{path} is a file, not a record store folder", USAGE)
     return path
 

@@ -53,6 +53,7 @@ MISTAKES = [
     (["best", "--records", "{missing}"], 2, "no record store at"),
     (["best", "--records", "{file}"], 2, "is a file, not a record store"),
     (["history", "--records", "{missing}"], 2, "no record store at"),
+    (["best", "--records", "file://{missing}"], 2, "no record store at file://"),
     (["history", "--task", "no_such_task", "--records", "{store}"], 1, "no records of task 'no_such_task'"),
     (["show", "matmul", "--records", "{missing}"], 2, "no record store at"),
     (["run-network", "resnet-18", "--records", "{missing}"], 2, "no record store at"),
