@@ -63,8 +63,8 @@ def export_tvm(out: Annotated[str, typer.Option("--out", help="The TVM log (JSON
         fail(str(err))
     except RuntimeError as err:                             # the store changed under the read (BadFileError ...)
         fail(store_failure(records, err))
-    except OSError as err:                                  # the store was read just now: the log is the one
-        fail(f"cannot write {out}: {err}")
+    except OSError as err:                                  # most likely the log (the store was read just now)
+        fail(f"export to {out} failed: {type(err).__name__}: {err}")
     console = Console()
     _report(console, summary)
     if not summary.done:
