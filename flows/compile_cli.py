@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tensortune.flows.cli_app import app
-from tensortune.flows.cli_input import USAGE, fail, folder_to_write, open_store
+from tensortune.flows.cli_input import USAGE, check_target, fail, folder_to_write, open_store
 from tensortune.flows.network_cli import (
     BatchOption,
     ImageSizeOption,
@@ -49,11 +49,9 @@ def compile_command(network: NetworkArg,
         fail(f"--output {output} exists and is not a folder", USAGE)
     folder_to_write("--output", output)
     target = with_threads(target, threads)
-    try:
-        if parse_target(target).kind != "llvm":
-            fail(f"compile builds CPU libraries only (an llvm target), got {target!r}", USAGE)
-    except TargetError as err:
-        fail(str(err), USAGE)
+    check_target(target)
+    if parse_target(target).kind != "llvm":
+        fail(f"compile builds CPU libraries only (an llvm target), got {target!r}", USAGE)
     store = open_store(records) if records else None
     if shutil.which(os.environ.get("CC", "cc")) is None:
         fail(f"no C compiler to link with ({os.environ.get('CC', 'cc')} not found; set CC)")
