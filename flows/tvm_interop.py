@@ -161,8 +161,8 @@ def export_log(store: RecordStore, out: str, workloads: Sequence[str] = (), hist
         task = TVMTask(tvm_key, tvm_target(str(target), hardware), hardware)
         live = group["_live"].to_numpy(dtype=bool)
         if not live.all():
-            summary.skipped[f"records of {label or name} older than its newest re-timing: timed on another "
-                            f"night, TVM would take them for the best (--history writes them)"] += int((~live).sum())
+            summary.skipped[f"records of {label or name} older than its newest re-timing: timed in an earlier run, "
+                            f"TVM would take them for the best (--history writes them)"] += int((~live).sum())
             group = group[live]
         for record in frame_to_records(group):
             try:
