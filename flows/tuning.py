@@ -145,22 +145,30 @@ def resume_policy(policy: SketchPolicy, frame: pd.DataFrame) -> int:
     return len({c.key for c in cands})
 
 
-def incumbents(policy: SketchPolicy, frame: pd.DataFrame, k: int) -> list[tuple[str, str]]:
-    """(steps, kernel) of the task's `k` fastest competing stored programs (frame: its records) that
-    replay under today's rules, fastest first: what a resumed run times again. A program an older rule
-    set stored and IllegalStep now refuses is passed over for the next, so a stale figure is not kept
-    for want of a program to time (resume_policy passed over the same ones)."""
-    out: list[tuple[str, str]] = []
+@dataclass(frozen=True)
+class Incumbent:
+    """A stored program a resumed run times again: its steps as stored, the kernel its records name, and
+    the program replayed under today's rules."""
+    steps: str
+    kernel: str
+    candidate: Candidate
+
+
+def incumbents(policy: SketchPolicy, frame: pd.DataFrame, k: int) -> list[Incumbent]:
+    """The task's `k` fastest competing stored programs (frame: its records) that replay under today's
+    rules, fastest first: what a resumed run times again. A program an older rule set stored and
+    IllegalStep now refuses is passed over for the next, so a stale figure is not kept for want of a
+    program to time (resume_policy passed over the same ones)."""
+    out: list[Incumbent] = []
     if k < 1:
         return out
     for steps, kernel in fastest_programs(frame):
         if len(out) >= k:
             break
         try:
-            State.from_json(policy.task.dag, steps)
+            out.append(Incumbent(steps, kernel, Candidate.of(State.from_json(policy.task.dag, steps))))
         except IllegalStep:
             continue
-        out.append((steps, kernel))
     return out
 
 
@@ -176,9 +184,9 @@ class Retiming:
 
 
 def retime_stored_bests(policy: SketchPolicy, measurer: Measurer, records: RecordStore,
-                        programs: Sequence[tuple[str, str]], *, timings: int = CONFIRM_TIMINGS, round_: int = 0,
+                        programs: Sequence[Incumbent], *, timings: int = CONFIRM_TIMINGS, round_: int = 0,
                         flow_run_id: str = "", network: str = "") -> Retiming | None:
-    """Time the task's fastest stored `programs` ((steps, kernel), `incumbents`) again
+    """Time the task's fastest stored `programs` (`incumbents`) again
     (each 1 + `timings` times, as a best is confirmed) before a resumed run measures anything of it,
     append them as re-timing records, and make the fastest of them the policy's best; None when there
     is none to time.
@@ -191,21 +199,14 @@ def retime_stored_bests(policy: SketchPolicy, measurer: Measurer, records: Recor
     rather than from the fastest program tonight.
     The re-timings are new records (nothing stored is rewritten); from them on the task's older records
     are history, not its best (storage.queries.competing_mask), for every reader of the store."""
-    cands, steps, kernels = [], [], []
-    for s, kernel in programs:
-        try:
-            cands.append(Candidate.of(State.from_json(policy.task.dag, s)))
-        except IllegalStep:
-            continue                       # stored by an older rule set: resume_policy skipped it too
-        steps.append(s)
-        kernels.append(kernel)
-    if not cands:
+    if not programs:
         return None
+    cands, steps = [p.candidate for p in programs], [p.steps for p in programs]
     stored = policy.best_cost
     results = time_again(measurer, policy.task, steps, timings)
     records.append(to_records(policy.task, cands, results, round_=round_, flow_run_id=flow_run_id,
                               network=network, model_version=policy.model.version,
-                              kernels=kernels, retiming=True))
+                              kernels=[p.kernel for p in programs], retiming=True))
     remember_task(records, policy.task)
     policy.forget_best()
     policy.preload(cands, [r.latency for r in results])   # their programs are in the model's data already
@@ -430,9 +431,9 @@ class NetworkTuner:
         # default stays TVM's (`python -m bench first_round`; docs/performance.md, "A short first round")
         self.first_round = first_round
         self.history = [0] * len(tasks)           # programs of each task read from the records
-        # what resume() kept of each task's records: its fastest stored programs, (steps, kernel), for
+        # what resume() kept of each task's records: its fastest stored programs, for
         # retime_stored_bests, and the default schedule's newest stored timing (seconds; inf: none)
-        self.incumbents: list[list[tuple[str, str]]] = [[] for _ in tasks]
+        self.incumbents: list[list[Incumbent]] = [[] for _ in tasks]
         self.default_stored = [math.inf] * len(tasks)
         self.trials_run = [0] * len(tasks)        # ... and measured by this tuner
         self.result = NetworkTuneResult(tasks, [], [], 0, form_sets=[tuple(f) for f in form_sets])
