@@ -147,7 +147,6 @@ class Session:
         n = len(tasks)
         self.stored = [math.inf] * n                 # best latency stored before this run
         self.before = [math.inf] * n                 # ... as timed again at its start (retime-stored-bests)
-        self.default_latency = [math.nan] * n
         # where the run's time went, inside the steps (the rest of the wall time is orchestration)
         self.seconds = {"retime": 0.0, "search": 0.0, "measure": 0.0, "record+learn": 0.0, "retrain": 0.0}
         self.timeline: list[artifacts.RoundTiming] = []    # one line per measured round
@@ -168,7 +167,7 @@ class Session:
     def rows(self) -> list[artifacts.TaskRow]:
         run, before = self.tuner.trials_run, self.tuner.history
         return [artifacts.TaskRow(i, t.name, t.weight, t.flops, self.best_latency(i), run[i], before[i] + run[i],
-                                  self.default_latency[i])
+                                  self.tuner.default_latency[i])
                 for i, t in enumerate(self.tasks)]
 
     def estimate(self) -> float:
@@ -234,8 +233,6 @@ def load_history(s: Session) -> dict[str, int]:
     for i, (p, n) in enumerate(zip(s.policies, history)):
         if n and p.best is not None:
             s.stored[i] = s.before[i] = p.best_cost
-        if math.isfinite(s.tuner.default_stored[i]):
-            s.default_latency[i] = s.tuner.default_stored[i]
     total, resumed = sum(history), sum(1 for n in history if n)
     log.info(f"history: {total} programs of {resumed}/{len(s.tasks)} tasks in {s.records.location.url}")
     return {"records": total, "tasks_with_history": resumed}
@@ -250,8 +247,6 @@ def retime_stored_bests(s: Session) -> dict[str, Any]:
 
     def logged(i: int, r: Retiming) -> None:
         s.before[i] = r.now
-        if math.isfinite(s.tuner.default_stored[i]):     # the default schedule among those timed again
-            s.default_latency[i] = s.tuner.default_stored[i]
         log.info(f"{s.tasks[i].name} (task {i}): {r.programs} stored programs timed again, best "
                  f"{_ms(r.stored)} as stored, {_ms(r.now)} now")
     done = [r for r in s.tuner.retime_stored_bests(on_task=logged) if r is not None]
@@ -322,9 +317,6 @@ def measure_batch(s: Session, i: int, batch: Proposal, label: str,
         round_, f"{i} {task_.name}", len(batch.candidates), batch.search_s,
         stats.build_s if stats is not None else math.nan, stats.run_s if stats is not None else math.nan,
         time.perf_counter() - t1))
-    for c, r in zip(batch.candidates, results):
-        if c.steps_json == s.tuner.default_steps[i] and r.ok:
-            s.default_latency[i] = r.latency
     n = len(batch.candidates)
     errors = sum(1 for r in results if not r.ok)
     best = s.best_latency(i)
@@ -454,7 +446,7 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
     summary: dict[str, Any] = {
                "network": network, "target": target, "flow_run_id": flow_run_id, "records": store.location.url,
                "trials": done, "rounds": s.rounds, "model_version": s.model.version,
-               "estimate_default_s": artifacts.estimate(weights, s.default_latency, s.form_sets),
+               "estimate_default_s": artifacts.estimate(weights, s.tuner.default_latency, s.form_sets),
                "estimate_stored_s": artifacts.estimate(weights, s.stored, s.form_sets),
                "estimate_before_s": artifacts.estimate(weights, before, s.form_sets), "estimate_after_s": s.estimate(),
                "seconds": {k: round(v, 3) for k, v in s.seconds.items()},

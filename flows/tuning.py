@@ -431,10 +431,11 @@ class NetworkTuner:
         # default stays TVM's (`python -m bench first_round`; docs/performance.md, "A short first round")
         self.first_round = first_round
         self.history = [0] * len(tasks)           # programs of each task read from the records
-        # what resume() kept of each task's records: its fastest stored programs, for
-        # retime_stored_bests, and the default schedule's newest stored timing (seconds; inf: none)
+        # what resume() kept of each task's records: its fastest stored programs, for retime_stored_bests
         self.incumbents: list[list[Incumbent]] = [[] for _ in tasks]
-        self.default_stored = [math.inf] * len(tasks)
+        # the default schedule's newest timing (seconds; nan: none): stored, timed again, or measured in a
+        # round of this tuner, what "speedup vs default" counts from
+        self.default_latency = [math.nan] * len(tasks)
         self.trials_run = [0] * len(tasks)        # ... and measured by this tuner
         self.result = NetworkTuneResult(tasks, [], [], 0, form_sets=[tuple(f) for f in form_sets])
         self._sync_result()
@@ -457,7 +458,7 @@ class NetworkTuner:
             if n and default is not None:
                 ran = stored[(stored["steps"] == default) & (stored["error_code"] == 0)]
                 if not ran.empty:
-                    self.default_stored[i] = float(ran["mean_latency"].iloc[-1])     # its newest timing
+                    self.default_latency[i] = float(ran["mean_latency"].iloc[-1])     # its newest timing
             if n and p.best is not None:
                 self._restore(i)
         self._sync_result()
@@ -481,7 +482,7 @@ class NetworkTuner:
                 continue
             now = done.timed.get(self.default_steps[i] or "", math.inf)
             if math.isfinite(now):                  # a failed re-timing replaces nothing
-                self.default_stored[i] = now
+                self.default_latency[i] = now
             self._restore(i)
             if on_task is not None:
                 on_task(i, done)
@@ -531,6 +532,9 @@ class NetworkTuner:
         learn(policy, batch.candidates, results, batch.scores, records=self.records, round_=self.rounds,
               flow_run_id=self.flow_run_id, network=self.network_name)
         self.sched.record(i, [r.latency for r in results], exhausted=not batch.candidates)
+        for c, r in zip(batch.candidates, results):
+            if c.steps_json == self.default_steps[i] and r.ok:
+                self.default_latency[i] = r.latency
         result.best_costs = list(self.sched.best_costs)
         result.best_steps[i] = policy.best[1].steps_json if policy.best else None
         result.decisions = list(self.sched.decisions)
