@@ -83,13 +83,12 @@ def task_counts(table: pa.Table, by: list[str]) -> pd.DataFrame:
         [*by, "n_records", "n_errors"]]
 
 
-def history_table(frame: pd.DataFrame, per: str, retimings: pd.DataFrame | None = None) -> pd.DataFrame:
+def history_table(frame: pd.DataFrame, per: str, retimings: pd.DataFrame) -> pd.DataFrame:
     """The best latency of each task per flow run (per="run") or per round (per="round"), in time
     order, with the best so far: across everything before it since the task's newest re-timing before
     it (a run that timed the stored bests again starts the count anew, as competing_mask has it).
-    `retimings`: the re-timing rows (target, workload_key, timestamp) to count, by default `frame`'s own
-    (a frame without a `retiming` column: none); a history of one network passes every network's, as
-    the best-record query takes them."""
+    `retimings`: the re-timing rows (target, workload_key, timestamp) to count, of every network (a
+    history of one network counts another's re-timings, as the best-record query does)."""
     if per not in ("run", "round"):
         raise ValueError(f"per={per!r}: use 'run' or 'round'")
     keys = ["target", "workload_key", "flow_run_id"] + (["round"] if per == "round" else [])
@@ -109,8 +108,6 @@ def history_table(frame: pd.DataFrame, per: str, retimings: pd.DataFrame | None 
                   best_gflops=("_gflops", "max"))
              .reset_index()
              .sort_values(["target", "workload_key", "start"], kind="stable"))
-    if retimings is None:
-        retimings = frame[frame["retiming"].to_numpy(dtype=bool)] if "retiming" in frame else frame.iloc[:0]
     utc = "datetime64[ns]"         # tz-aware UTC as plain numpy times, comparable with each other
     stamps = {key: np.sort(group["timestamp"].to_numpy(dtype=utc)) for key, group in
               retimings.groupby(["target", "workload_key"], observed=True)}

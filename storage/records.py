@@ -225,12 +225,11 @@ class RecordStore:
                 per: str = "run") -> pd.DataFrame:
         """How the best latency of a task (its workload_key or its task_name) moved over time: one row
         per flow run (per="run") or per round (per="round"), oldest first, with `best_so_far`."""
-        filter = _all_of((pc.field("workload_key") == task) | (pc.field("task_name") == task),
-                         _match("network", network))
+        of_task = (pc.field("workload_key") == task) | (pc.field("task_name") == task)
+        filter = _all_of(of_task, _match("network", network))
         columns = ["target", "workload_key", "flow_run_id", "round", "task_name", "task_label", "network",
                    "timestamp", "mean_latency", "gflops", "error_code"]
         frame = self._scanner.scan(columns, filter, _targets(target)).to_pandas()
-        of_task = (pc.field("workload_key") == task) | (pc.field("task_name") == task)
         retimings = self._scanner.scan(["target", "workload_key", "timestamp"], _all_of(of_task, pc.field("retiming")),
                                        _targets(target), leaders=True).to_pandas()     # any network's, as best_per_task
         return history_table(frame, per, retimings)
