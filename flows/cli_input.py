@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import os
 import socket
-import warnings
 from typing import TYPE_CHECKING, Any, NoReturn
 from urllib.parse import urlsplit
 
@@ -120,8 +119,8 @@ def open_store(path: str, *, write: bool = False, quarantine: bool = False, chec
     The check is one best-record query, which opens every file (of a compacted one only its leading row
     group is read): 0.3 s on a 6000-record ResNet-50 store of 131 part files, 0.08 s on the main job's; a
     reader such as `best` that runs its own query at once and reports its errors alike passes check=False.
-    `write`: a missing store is created (nothing to check); `quarantine`: bad files are moved to
-    <path>/_quarantine/ with a warning instead."""
+    `write`: a missing store is created (nothing to check); `quarantine`: the store moves bad files to
+    <path>/_quarantine/ with a warning instead (for the caller's own query to report: with check=False)."""
     import pyarrow as pa
 
     from tensortune.storage.records import RecordStore
@@ -131,18 +130,13 @@ def open_store(path: str, *, write: bool = False, quarantine: bool = False, chec
     else:
         records_to_read(path)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            policy = "quarantine" if quarantine else "raise"
-            store = RecordStore(path, on_bad_file=policy) if write else RecordStore(
-                path, on_bad_file=policy, auto_compact=None)
-            if exists and check:
-                store.best_per_task()
+        policy = "quarantine" if quarantine else "raise"
+        store = RecordStore(path, on_bad_file=policy) if write else RecordStore(
+            path, on_bad_file=policy, auto_compact=None)
+        if exists and check:
+            store.best_per_task()
     except (OSError, RuntimeError, ValueError, pa.ArrowException) as err:    # BadFileError is a RuntimeError
         fail(store_failure(path, err))
-    for warning in caught:                 # files quarantined: say which, as a line of its own
-        Console(stderr=True).print(f"[yellow]warning:[/yellow] {escape(str(warning.message))}", highlight=False,
-                                   soft_wrap=True)
     return store
 
 
