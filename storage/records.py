@@ -225,13 +225,13 @@ class RecordStore:
                 per: str = "run") -> pd.DataFrame:
         """How the best latency of a task (its workload_key or its task_name) moved over time: one row
         per flow run (per="run") or per round (per="round"), oldest first, with `best_so_far`."""
-        of_task = (pc.field("workload_key") == task) | (pc.field("task_name") == task)
-        filter = _all_of(of_task, _match("network", network))
         columns = ["target", "workload_key", "flow_run_id", "round", "task_name", "task_label", "network",
-                   "timestamp", "mean_latency", "gflops", "error_code"]
-        frame = self._scanner.scan(columns, filter, _targets(target)).to_pandas()
-        retimings = self._scanner.scan(["target", "workload_key", "timestamp"], _all_of(of_task, pc.field("retiming")),
-                                       _targets(target), leaders=True).to_pandas()     # any network's, as best_per_task
+                   "timestamp", "mean_latency", "gflops", "error_code", "retiming"]
+        rows = self._scanner.scan(columns, (pc.field("workload_key") == task) | (pc.field("task_name") == task),
+                                  _targets(target)).to_pandas()
+        # one read: the re-timings of every network count (as in best_per_task), the rows of `network` show
+        retimings = rows[rows["retiming"].to_numpy(dtype=bool)]
+        frame = rows if network is None else rows[rows["network"] == network]
         return history_table(frame, per, retimings)
 
     def runs(self, network: str | None = None, target: str | None = None) -> pd.DataFrame:
