@@ -54,6 +54,13 @@ class CostModel:
     def update(self, task: SearchTask, programs: Sequence[Program], costs: Sequence[float]) -> None:
         """Learn from measurements (`costs` in seconds; inf for failures)."""
 
+    def add(self, task: SearchTask, programs: Sequence[Program], costs: Sequence[float]) -> None:
+        """Keep measurements to learn from at the next `refit` (a resumed run adds every task's history,
+        then refits once); nothing by default."""
+
+    def refit(self) -> None:
+        """Learn from everything added; nothing by default."""
+
     @property
     def is_random(self) -> bool:
         return False
@@ -176,7 +183,10 @@ class XGBModel(CostModel):
     # ------------------------------------------------------------------ data
 
     def add(self, task: SearchTask, states: Sequence[Program], costs: Sequence[float]) -> None:
-        feats = self.features(task, states)
+        self.add_features(task, self.features(task, states), costs)
+
+    def add_features(self, task: SearchTask, feats: Sequence[np.ndarray], costs: Sequence[float]) -> None:
+        """`add` for programs whose features are known already (stored: storage.feature_cache)."""
         rows = self.data.setdefault(task.workload_key, [])
         for f, c in zip(feats, costs):
             thr = task.flops / c if c and math.isfinite(c) and c > 0 else 0.0
@@ -185,6 +195,9 @@ class XGBModel(CostModel):
 
     def update(self, task, states, costs) -> None:
         self.add(task, states, costs)
+        self.fit()
+
+    def refit(self) -> None:
         self.fit()
 
     @property
