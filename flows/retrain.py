@@ -9,6 +9,7 @@ each retrain featurises only the records added since the last one.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -20,14 +21,16 @@ from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import MIN_FIT_PROGRAMS, WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
-from tensortune.search.feature_pool import Featurizer
+from tensortune.search.feature_pool import Featurizer, feature_code_digest
 from tensortune.search.helper_pool import HelperPool
+from tensortune.storage.feature_cache import FeatureCache, Key, digest
 from tensortune.storage.models import ModelStore
 from tensortune.storage.records import RecordStore
 from tensortune.storage.tasks import TaskStore
 from tensortune.tasks.search_task import SearchTask
 
 MODEL_KIND = "xgb-packsum"
+log = logging.getLogger("tensortune.flows")
 
 
 class NewestModel(CostModel):
@@ -80,12 +83,16 @@ class Trainer:
     skipped and counted in `unknown`."""
 
     def __init__(self, tasks: Sequence[SearchTask], target: str, warmup: int = WARMUP_PROGRAMS, seed: int = 0,
-                 features: Featurizer | None = None, transfer: bool = False, objective: str = "regression"):
+                 features: Featurizer | None = None, transfer: bool = False, objective: str = "regression",
+                 cache_features: bool = True):
         self.tasks = {t.workload_key: t for t in tasks}
         self.target, self.warmup, self.transfer = target, warmup, transfer
         self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed, features=features, objective=objective)
         self.seen: set[tuple[str, str]] = set()
         self.unknown: set[str] = set()             # workload keys with records but no stored task
+        # each store's features of its programs (storage.feature_cache), read at its first read_new
+        self.cache_features = cache_features
+        self.cached: dict[str, tuple[FeatureCache, dict[Key, np.ndarray]]] = {}
 
     def _task(self, key: str, records: RecordStore) -> SearchTask | None:
         if key in self.tasks:
@@ -105,28 +112,56 @@ class Trainer:
         return self.tasks[key]
 
     def read_new(self, records: RecordStore) -> int:
-        """Add the records not read before; returns how many programs were added."""
+        """Add the records not read before; returns how many programs were added. A program's features
+        come from the store's feature cache where it has them; those computed here are saved to it."""
         keys = None if self.transfer else list(self.tasks)
         frame = records.training_frame(target=self.target, workload_keys=keys)
+        cache, known = self._cache(records)
+        computed: dict[Key, np.ndarray] = {}
         added = 0
         for key, rows in frame.groupby("workload_key", sort=False):
             task = self._task(str(key), records)
             if task is None:
                 continue
-            cands, costs = [], []
+            task_digest = digest(task.to_json())
+            order: list[Key] = []                      # the programs added, in record order
+            cands, new_keys, costs = [], [], []
             for steps, latency, code in zip(rows["steps"], rows["mean_latency"], rows["error_code"]):
                 if (key, steps) in self.seen:
                     continue
                 self.seen.add((key, steps))
-                try:
-                    cands.append(Candidate.of(State.from_json(task.dag, steps)))
-                except IllegalStep:
-                    continue                 # written by an older rule set: kept in the store, skipped here
+                at = (task_digest, digest(steps))
+                if at not in known:
+                    try:
+                        cands.append(Candidate.of(State.from_json(task.dag, steps)))
+                    except IllegalStep:
+                        continue             # written by an older rule set: kept in the store, skipped here
+                    new_keys.append(at)
+                order.append(at)
                 costs.append(float(latency) if code == 0 else math.inf)
             if cands:
-                self.xgb.add(task, cands, costs)
-                added += len(cands)
+                computed.update(zip(new_keys, self.xgb.features(task, cands)))
+            if order:
+                self.xgb.add_features(task, [known[at] if at in known else computed[at] for at in order], costs)
+                added += len(order)
+        if cache is not None and computed:
+            known.update(computed)
+            try:
+                cache.save(computed)
+            except OSError as err:           # a store we may read but not write: train all the same
+                log.warning("features not cached in %s: %s", records.location.url, err)
         return added
+
+    def _cache(self, records: RecordStore) -> tuple[FeatureCache | None, dict[Key, np.ndarray]]:
+        """The store's feature cache and what it holds, read once per store and kept up to date by
+        read_new (None and nothing when caching is off)."""
+        if not self.cache_features:
+            return None, {}
+        url = records.location.url
+        if url not in self.cached:
+            cache = FeatureCache(url, feature_code_digest(), filesystem=records.location.fs)
+            self.cached[url] = (cache, cache.load())
+        return self.cached[url]
 
 
 @dataclass

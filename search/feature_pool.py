@@ -15,8 +15,11 @@ templates and helpers are made once per tuning run; the search samples on the sa
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import zlib
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -28,6 +31,27 @@ from tensortune.search.feature_parts import Part
 from tensortune.search.helper_pool import HelperPool, run_shares
 from tensortune.search.memory import paused_gc
 from tensortune.tasks.search_task import SearchTask
+
+# the packages whose code decides a program's features: the arrows (search -> schedule -> tasks) let
+# nothing else reach them, and numpy computes them
+_FEATURE_PACKAGES = ("search", "schedule", "tasks")
+
+
+@functools.lru_cache(maxsize=None)
+def feature_code_digest() -> str:
+    """A digest of the code that computes features: stored features are valid for the code of the same
+    digest only (storage.feature_cache). Any edit of those files changes it, a cautious rule: a stale
+    cache is recomputed, never read."""
+    return source_digest(Path(__file__).resolve().parent.parent, _FEATURE_PACKAGES)
+
+
+def source_digest(root: Path, packages: Sequence[str]) -> str:
+    """Every Python source file of `packages` under `root` (paths and bytes), and numpy's version."""
+    h = hashlib.blake2b(np.__version__.encode(), digest_size=16)
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 class Featurizer:

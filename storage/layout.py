@@ -6,7 +6,7 @@
     <root>/_compactions/<uuid hex>.json                                            a compaction journal
     <root>/_superseded/<seconds>-<uuid hex>/target=.../part-....parquet.superseded  replaced by a compaction
     <root>/_holds/<uuid hex>.json                                                  a raw reader's hold
-    <root>/_models/..., <root>/_tasks/..., <root>/_quarantine/...                  not records
+    <root>/_models/..., <root>/_tasks/..., <root>/_features/..., <root>/_quarantine/...  not records
 
 Hive style, so `pandas.read_parquet(root)` and pyarrow read it as is (they skip names starting with '.' or
 '_', as we do). `date` is the UTC day the file was written. Targets are URI-quoted (pyarrow's hive
@@ -30,6 +30,7 @@ HOLDS_DIR = "_holds"
 QUARANTINE_DIR = "_quarantine"
 MODELS_DIR = "_models"
 TASKS_DIR = "_tasks"
+FEATURES_DIR = "_features"
 
 _DATA_NAME = re.compile(r"^(?P<kind>part|compact)-[0-9a-f]{32}\.parquet$")
 _TEMP_NAME = re.compile(r"^\.(part|compact)-[0-9a-f]{32}\.parquet\.[0-9a-f]{8}\.tmp$")
