@@ -105,8 +105,12 @@ class LocalBuilder:
 
     def build(self, task: SearchTask, steps_list: Sequence[str], keep_source: bool = False) -> list[BuildResult]:
         tj = task.to_json()
+        return self.build_many([(tj, s) for s in steps_list], keep_source)
+
+    def build_many(self, programs: Sequence[tuple[str, str]], keep_source: bool = False) -> list[BuildResult]:
+        """Build (task JSON, steps) pairs of any tasks, all in one go across the processes."""
         out = []
-        for r in self.pool.map([(tj, s, keep_source) for s in steps_list]):
+        for r in self.pool.map([(tj, s, keep_source) for tj, s in programs]):
             if r.ok:
                 out.append(BuildResult(r.value, 0, "", r.seconds))
             else:
@@ -170,6 +174,15 @@ class Measurer(Protocol):
 
 
 @runtime_checkable
+class BuildsAhead(Protocol):
+    """A measurer that builds many tasks' programs in one go before timing any of them, keeping the
+    builds for the measure() calls that time them: a resumed network's re-timing, three stored programs
+    of each task, kept cores idle when each task's three were built as a batch of their own."""
+
+    def build_ahead(self, batches: Sequence[tuple[SearchTask, Sequence[str]]]) -> None: ...
+
+
+@runtime_checkable
 class Prebuilder(Protocol):
     """A measurer that can build a batch while it times another (DaskMeasurer, where some builders
     share no node with a timing): the flow then searches and builds round k+1 during round k's timings."""
@@ -199,6 +212,15 @@ class ProgramMeasurer:
             if b.artifact is not None:
                 self.recent.put(tj, s, b)
         return self.runner.run(task, [built[s] for s in steps_list])
+
+    def build_ahead(self, batches: Sequence[tuple[SearchTask, Sequence[str]]]) -> None:
+        """Build the programs of every batch not built already, all at once; the ones that built are
+        kept (as many as `recent` holds) for the measure() calls that time them."""
+        todo = list(dict.fromkeys((task.to_json(), s) for task, steps_list in batches for s in steps_list))
+        todo = [(tj, s) for tj, s in todo if self.recent.get(tj, s) is None][:self.recent.size]
+        for (tj, s), b in zip(todo, self.builder.build_many(todo) if todo else []):
+            if b.artifact is not None:
+                self.recent.put(tj, s, b)
 
     def close(self) -> None:
         self.builder.close()

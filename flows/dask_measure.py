@@ -251,6 +251,41 @@ class DaskMeasurer:
                     allow_other_workers=False, resources={builder: 1} if builder else None), workers))
         return True
 
+    def build_ahead(self, batches: Sequence[tuple[SearchTask, Sequence[str]]]) -> None:
+        """Build the programs of every batch not built already, all at once on the builders, and wait for
+        them (no timing runs meanwhile, so the measure nodes build too); the finished builds are kept (as
+        many as `recent` holds) for the measure() calls that time them, as a call keeps its own (one
+        whose build failed reports that failure and is built anew by the call after). A cluster that
+        goes away meanwhile is measure()'s to report."""
+        todo: dict[tuple[str, str], SearchTask] = {}
+        for task, steps_list in batches:
+            tj = task.to_json()
+            for steps in steps_list:
+                if (tj, steps) not in todo and self._recent_build(tj, steps) is None:
+                    todo[(tj, steps)] = task
+        todo = dict(list(todo.items())[:self.recent.size])
+        builders = {b for task in todo.values() if (b := build_resource(task.target_kind)) is not None}
+        tag = uuid.uuid4().hex[:10]
+        futures = {}
+        try:
+            for needed in builders:
+                require_resource(self.client, needed)          # none now: measure() waits, and says so
+            for n, ((tj, steps), task) in enumerate(todo.items()):
+                builder = build_resource(task.target_kind)
+                futures[(tj, steps)] = self._submit(
+                    build_candidate, tj, steps, self.build_timeout, self.keep_source, pure=False,
+                    retries=self.retries, key=f"build-ahead-{tag}-{n}", resources={builder: 1} if builder else None)
+        except (SchedulerLost, ClusterError, OSError):
+            for future in futures.values():
+                future.cancel()
+            return
+        self._wait(list(futures.values()), time.monotonic() + self._round_timeout(len(futures)))
+        for (tj, steps), future in futures.items():
+            if future.status == "finished":
+                self.recent.put(tj, steps, future)
+            else:
+                future.cancel()
+
     def _recent_build(self, tj: str, steps: str) -> Future | None:
         """The finished build of `steps` from one of the last calls; None if there is none, or if it
         was cancelled or lost since (a restarted cluster: built anew)."""

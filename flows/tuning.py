@@ -17,7 +17,7 @@ import pandas as pd
 from tensortune.codegen.confirmation import CONFIRM_TIMINGS, RETIME_PROGRAMS, confirm_new_bests, time_again
 from tensortune.codegen.kernel_identity import PREFIX as KERNEL_PREFIX
 from tensortune.codegen.kernel_identity import KernelIdentity
-from tensortune.codegen.measure import LocalRunner, Measurer, MeasureResult, ProgramMeasurer
+from tensortune.codegen.measure import BuildsAhead, LocalRunner, Measurer, MeasureResult, ProgramMeasurer
 from tensortune.codegen.network_runtime import touched_bytes
 from tensortune.codegen.target import make_task
 from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
@@ -477,6 +477,9 @@ class NetworkTuner:
         out: list[Retiming | None] = [None] * len(self.policies)
         if self.records is None or self.measurer is None or self.retime < 1:
             return out
+        if isinstance(self.measurer, BuildsAhead):      # every task's programs in one go, then the timings
+            self.measurer.build_ahead([(p.task, [inc.steps for inc in self.incumbents[i]])
+                                       for i, p in enumerate(self.policies) if self.history[i]])
         for i, p in enumerate(self.policies):
             if not self.history[i]:
                 continue

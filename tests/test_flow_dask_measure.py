@@ -92,6 +92,26 @@ def test_a_program_timed_again_in_a_later_call_is_timed_from_its_first_build(clu
     assert sum(k.startswith("build-") for k in keys) == 3 and sum(k.startswith("run-") for k in keys) == 5
 
 
+def test_programs_built_ahead_for_many_tasks_are_timed_from_those_builds(cluster, task):
+    # a resumed network's re-timing: every task's programs built in one go, then each task timed
+    other = make_task(make_dag("matmul", 32, 64, 16))
+    good = State(task.dag).split("C", 1, [16]).vectorize("C", 2).steps_json()
+    bad = '[["SP", 99, 0, 48, [4], 1]]'
+    theirs = State(other.dag).split("C", 1, [16]).vectorize("C", 2).steps_json()
+    measurer = DaskMeasurer(cluster, timing=TIMING)
+    with get_task_stream(client=cluster) as ahead:
+        measurer.build_ahead([(task, [good, bad, good]), (other, [theirs])])
+    keys = [str(t["key"]) for t in ahead.data]
+    assert sum(k.startswith("build-ahead-") for k in keys) == 3 and not any(k.startswith("run-") for k in keys)
+    with get_task_stream(client=cluster) as stream:
+        mine, its = measurer.measure(task, [good, good, bad]), measurer.measure(other, [theirs])
+    assert [r.ok for r in mine + its] == [True, True, False, True]
+    keys = [str(t["key"]) for t in stream.data]
+    # no build (the failed one's error is reported from its build ahead, as from a build of the call); a run
+    # per entry
+    assert not any(k.startswith("build-") for k in keys) and sum(k.startswith("run-") for k in keys) == 4
+
+
 def test_a_crashing_kernel_costs_one_record_not_a_worker(cluster, task):
     pids = cluster.run(os.getpid)
     builder = LocalBuilder(n_parallel=1)

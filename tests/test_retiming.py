@@ -112,3 +112,35 @@ def test_a_stored_program_that_no_longer_replays_is_passed_over_for_the_next(tmp
     tune_task(task, 0, measurer=measurer, params=PARAMS, records=store, seed=1)
     retimed = store.read().query("retiming")
     assert list(retimed["steps"]) == list(ranked[1:4]) and (retimed["error_code"] == 0).all()
+
+
+class CountingBuilder(LocalBuilder):
+    """The real builder, noting how many programs each call built."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    def build_many(self, programs, keep_source=False):
+        self.calls.append(len(programs))
+        return super().build_many(programs, keep_source)
+
+
+def test_a_resumed_network_builds_every_tasks_stored_bests_in_one_go(tmp_path, measurer):
+    """Each task's three programs to time again used to be built as a batch of their own, leaving cores
+    idle; the network's are built at once (build_ahead), and the re-timings build nothing more."""
+    tasks = [make_task(make_dag("matmul", 64, 64, 64)), make_task(make_dag("matmul", 96, 96, 48))]
+    night1 = RecordStore(str(tmp_path / "night1"))
+    for i, task in enumerate(tasks):
+        tune_task(task, 8, measurer=measurer, params=PARAMS, records=night1, seed=i)
+    store = _fast_night(night1, str(tmp_path / "resumed"))
+    builder = CountingBuilder()
+    counted = ProgramMeasurer(builder, LocalRunner(config=TimingConfig(min_repeat_ms=5, repeat=3)))
+    try:
+        tuner = NetworkTuner(tasks, 0, counted, params=PARAMS, records=store)
+    finally:
+        counted.close()
+    assert [len(batch) for batch in tuner.incumbents] == [3, 3]
+    assert builder.calls == [6]                     # one call built all six; measure() found them built
+    retimed = store.read().query("retiming")
+    assert len(retimed) == 6 and (retimed["error_code"] == 0).all() and retimed["workload_key"].nunique() == 2
