@@ -1,7 +1,7 @@
 """Cost-model features of stored programs, kept beside the records so that a restart does not compute
 them again.
 
-    <root>/_features/<code digest>/<uuid hex>.parquet    rows: task digest, steps digest, a float32 matrix
+    <root>/_features/<code digest>/<uuid hex>.features   Parquet: task digest, steps digest, a float32 matrix
 
 Why: a tuning run's first retrain featurises every stored program of its target (every network, every
 night: the model transfers across tasks), and a store grows every night. The 6000 programs of a
@@ -11,7 +11,9 @@ every later night pays it again for a larger store.
 What is stored is a pure function of three things: the task's description, the program's steps and the
 code that computes features. The first two are the row's key (as digests, `digest`); the third names the
 folder (the caller's digest of that code, search.feature_pool.feature_code_digest), so a change of the
-code starts an empty cache and never serves the old numbers.
+code starts an empty cache and never serves the old numbers. The files are Parquet but not named
+`.parquet` (as superseded record files are renamed): a reader of the records that globs
+`tuning-records/**/*.parquet` (DuckDB) must not meet them.
 
 Crash safety: this is a cache, never a record; losing any of it costs only the time to compute it
 again. Each file is written whole or not at all (storage.filesystem.write_atomic; not fsynced, as a file
@@ -36,6 +38,7 @@ from tensortune.storage.filesystem import Location, delete_quietly, list_files, 
 from tensortune.storage.layout import FEATURES_DIR
 
 MERGE_AT = 16           # files of one code digest that `load` merges into one
+SUFFIX = ".features"
 _SCHEMA = pa.schema([("task", pa.string()), ("steps", pa.string()), ("rows", pa.int32()),
                      ("width", pa.int32()), ("data", pa.binary())])
 
@@ -62,7 +65,7 @@ class FeatureCache:
     def load(self) -> dict[Key, np.ndarray]:
         """Every stored matrix of this code (read-only float32 arrays [stores, features]); merges the
         files first-written-first when there are more than MERGE_AT."""
-        infos = [i for i in list_files(self.location, self.folder) if i.base_name.endswith(".parquet")
+        infos = [i for i in list_files(self.location, self.folder) if i.base_name.endswith(SUFFIX)
                  and not i.base_name.startswith(".")]
         out: dict[Key, np.ndarray] = {}
         for info in infos:
@@ -90,7 +93,7 @@ class FeatureCache:
                           "data": pa.array([m.tobytes() for m in mats], pa.binary())}, schema=_SCHEMA)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression="zstd")
-        write_atomic(self.location, f"{self.folder}/{uuid.uuid4().hex}.parquet", sink.getvalue(), durable=False)
+        write_atomic(self.location, f"{self.folder}/{uuid.uuid4().hex}{SUFFIX}", sink.getvalue(), durable=False)
 
 
 def _entries(location: Location, path: str) -> dict[Key, np.ndarray]:

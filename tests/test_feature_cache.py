@@ -78,6 +78,7 @@ def test_a_second_read_takes_every_feature_from_the_cache_bit_for_bit(tuned, tmp
     assert computed.programs == 0
     assert same_data(plain, first) and same_data(plain, again)
     assert len(pd.read_parquet(root)) == 2 * TRIALS          # readers of the records see records only
+    assert not [p for p in Path(root).rglob("*.parquet") if "_features" in p.parts]     # nor a DuckDB glob
     assert RecordStore(root).check() == {}
 
 
@@ -93,7 +94,7 @@ def test_only_new_programs_are_featurised_and_saved(tuned, tmp_path):
             shutil.copytree(os.path.join(root, TASKS_DIR), os.path.join(grown, TASKS_DIR))
         assert trainer.read_new(RecordStore(grown)) == TRIALS
     assert features.programs == 2 * TRIALS
-    assert len(list(Path(grown, FEATURES_DIR, feature_code_digest()).glob("*.parquet"))) == 2
+    assert len(list(Path(grown, FEATURES_DIR, feature_code_digest()).glob("*.features"))) == 2
     assert len(FeatureCache(grown, feature_code_digest()).load()) == 2 * TRIALS
     _, counted = read(grown, [first, second])
     assert counted.programs == 0
@@ -105,10 +106,10 @@ def test_files_that_cannot_be_read_cost_only_time(tuned, tmp_path):
     plain, _ = read(root, tuned[1], cache=False)
     read(root, tuned[1])
     folder = Path(root, FEATURES_DIR, feature_code_digest())
-    (good,) = folder.glob("*.parquet")
+    (good,) = folder.glob("*.features")
     data = good.read_bytes()
     good.write_bytes(data[: len(data) // 2])                 # truncated
-    (folder / "0123abcd.parquet").write_bytes(b"not parquet")
+    (folder / "0123abcd.features").write_bytes(b"not parquet")
     again, computed = read(root, tuned[1])
     assert computed.programs == 2 * TRIALS and same_data(plain, again)
 
@@ -122,9 +123,9 @@ def test_many_files_are_merged_into_one_with_the_same_entries(tmp_path):
         cache.save(entry)
         saved.update(entry)
     folder = tmp_path / FEATURES_DIR / "abc123"
-    assert len(list(folder.glob("*.parquet"))) == MERGE_AT + 1
+    assert len(list(folder.glob("*.features"))) == MERGE_AT + 1
     loaded = cache.load()
-    assert len(list(folder.glob("*.parquet"))) == 1
+    assert len(list(folder.glob("*.features"))) == 1
     for loaded_now in (loaded, cache.load()):
         assert loaded_now.keys() == saved.keys()
         assert all(np.array_equal(loaded_now[k], saved[k]) and loaded_now[k].dtype == np.float32 for k in saved)
