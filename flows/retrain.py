@@ -90,9 +90,9 @@ class Trainer:
         self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed, features=features, objective=objective)
         self.seen: set[tuple[str, str]] = set()
         self.unknown: set[str] = set()             # workload keys with records but no stored task
-        # each store's features of its programs (storage.feature_cache), read at its first read_new
+        # each store's feature cache (storage.feature_cache), read at the store's first read_new
         self.cache_features = cache_features
-        self.cached: dict[str, tuple[FeatureCache, dict[Key, np.ndarray]]] = {}
+        self.caches: dict[str, FeatureCache] = {}
 
     def _task(self, key: str, records: RecordStore) -> SearchTask | None:
         if key in self.tasks:
@@ -145,7 +145,6 @@ class Trainer:
                 self.xgb.add_features(task, [known[at] if at in known else computed[at] for at in order], costs)
                 added += len(order)
         if cache is not None and computed:
-            known.update(computed)
             try:
                 cache.save(computed)
             except OSError as err:           # a store we may read but not write: train all the same
@@ -153,15 +152,16 @@ class Trainer:
         return added
 
     def _cache(self, records: RecordStore) -> tuple[FeatureCache | None, dict[Key, np.ndarray]]:
-        """The store's feature cache and what it holds, read once per store and kept up to date by
-        read_new (None and nothing when caching is off)."""
+        """The store's feature cache, and what it holds at the store's first read (nothing later: the
+        programs read after it are the ones measured since, and the matrices are not held twice; None
+        and nothing when caching is off)."""
+        url = records.location.url
         if not self.cache_features:
             return None, {}
-        url = records.location.url
-        if url not in self.cached:
-            cache = FeatureCache(url, feature_code_digest(), filesystem=records.location.fs)
-            self.cached[url] = (cache, cache.load())
-        return self.cached[url]
+        if url in self.caches:
+            return self.caches[url], {}
+        cache = self.caches[url] = FeatureCache(url, feature_code_digest(), filesystem=records.location.fs)
+        return cache, cache.load()
 
 
 @dataclass

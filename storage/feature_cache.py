@@ -5,7 +5,7 @@ them again.
 
 Why: a tuning run's first retrain featurises every stored program of its target (every network, every
 night: the model transfers across tasks), and a store grows every night. The 6000 programs of a
-ResNet-50 store took 18 s to replay and featurise on the Xeon VM, before the run's first round, and
+ResNet-50 store took 16-18 s to replay and featurise on the Xeon VM, before the run's first round, and
 every later night pays it again for a larger store.
 
 What is stored is a pure function of three things: the task's description, the program's steps and the
@@ -64,7 +64,7 @@ class FeatureCache:
 
     def load(self) -> dict[Key, np.ndarray]:
         """Every stored matrix of this code (read-only float32 arrays [stores, features]); merges the
-        files first-written-first when there are more than MERGE_AT."""
+        files into one when there are more than MERGE_AT."""
         infos = [i for i in list_files(self.location, self.folder) if i.base_name.endswith(SUFFIX)
                  and not i.base_name.startswith(".")]
         out: dict[Key, np.ndarray] = {}
