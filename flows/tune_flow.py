@@ -249,6 +249,9 @@ def retime_stored_bests(s: Session) -> dict[str, Any]:
         s.before[i] = r.now
         log.info(f"{s.tasks[i].name} (task {i}): {r.programs} stored programs timed again, best "
                  f"{_ms(r.stored)} as stored, {_ms(r.now)} now")
+    todo = [len(programs) for programs in s.tuner.incumbents if programs]
+    if todo:
+        log.info(f"building the {sum(todo)} stored programs of {len(todo)} tasks to time again")
     done = [r for r in s.tuner.retime_stored_bests(on_task=logged) if r is not None]
     s.seconds["retime"] += time.perf_counter() - t0
     weights = [t.weight for t in s.tasks]
