@@ -154,13 +154,13 @@ class Trainer:
     def _cache(self, records: RecordStore) -> tuple[FeatureCache | None, dict[Key, np.ndarray]]:
         """The store's feature cache, and what it holds at the store's first read (nothing later: the
         programs read after it are the ones measured since, and the matrices are not held twice; None
-        and nothing when caching is off)."""
-        url = records.location.url
-        if not self.cache_features:
+        and nothing when caching is off, or no source says which code computes the features)."""
+        url, code = records.location.url, feature_code_digest()
+        if not self.cache_features or not code:
             return None, {}
         if url in self.caches:
             return self.caches[url], {}
-        cache = self.caches[url] = FeatureCache(url, feature_code_digest(), filesystem=records.location.fs)
+        cache = self.caches[url] = FeatureCache(url, code, filesystem=records.location.fs)
         return cache, cache.load()
 
 

@@ -41,15 +41,20 @@ _FEATURE_PACKAGES = ("search", "schedule", "tasks")
 def feature_code_digest() -> str:
     """A digest of the code that computes features: stored features are valid for the code of the same
     digest only (storage.feature_cache). Any edit of those files changes it, a cautious rule: a stale
-    cache is recomputed, never read."""
+    cache is recomputed, never read. "" where the sources are not there to read (an install of
+    compiled files only): no cache then."""
     return source_digest(Path(__file__).resolve().parent.parent, _FEATURE_PACKAGES)
 
 
 def source_digest(root: Path, packages: Sequence[str]) -> str:
-    """Every Python source file of `packages` under `root` (paths and bytes), and numpy's version."""
+    """Every Python source file of `packages` under `root` (paths and bytes), and numpy's version; ""
+    when a package has none."""
     h = hashlib.blake2b(np.__version__.encode(), digest_size=16)
     for package in packages:
-        for path in sorted((root / package).rglob("*.py")):
+        sources = sorted((root / package).rglob("*.py"))
+        if not sources:
+            return ""
+        for path in sources:
             h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 

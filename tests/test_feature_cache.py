@@ -147,3 +147,5 @@ def test_the_code_digest_follows_the_feature_packages_only(tmp_path):
     with open(tmp_path / "schedule" / "steps.py", "a") as f:
         f.write("\n# a change the features may depend on\n")
     assert source_digest(tmp_path, packages) != before
+    shutil.rmtree(tmp_path / "tasks")                          # compiled files only: no digest, no cache
+    assert source_digest(tmp_path, packages) == ""
