@@ -94,7 +94,13 @@ def time_again(measurer: Measurer, task: SearchTask, steps_list: Sequence[str],
 
 def _merged(first: MeasureResult, again: Sequence[MeasureResult],
             why: str = "timed again before it became the best") -> MeasureResult:
-    """One program's result from its first timing and its re-timings: all costs, the first failure."""
+    """One program's result from its first timing and its re-timings: all costs, the first failure. A
+    timing the measuring lost (MeasureResult.lost) counts for nothing: a cluster that lost a
+    confirmation must not record a program that ran well as failed. Lost when all of them were lost."""
+    ran = [r for r in (first, *again) if not r.lost]
+    if not ran:
+        return first
+    first, again = ran[0], ran[1:]
     costs = list(first.costs) + [c for r in again for c in r.costs]
     failed = next((r for r in again if not r.ok), None)
     run_seconds = first.run_seconds + sum(r.run_seconds for r in again)

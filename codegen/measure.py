@@ -53,6 +53,13 @@ class MeasureResult:
     def ok(self) -> bool:
         return self.error_code == ErrorCode.NO_ERROR
 
+    @property
+    def lost(self) -> bool:
+        """The measuring lost the program, which says nothing about it: UNKNOWN_ERROR, which only the
+        cluster's measurer gives (a worker or the scheduler gone, a round's deadline passed). A build
+        error, a crash, a wrong answer or a timeout is the program's own."""
+        return self.error_code == ErrorCode.UNKNOWN_ERROR
+
 
 # ------------------------------------------------------------------------------- jobs (in workers)
 

@@ -247,8 +247,10 @@ def retime_stored_bests(s: Session) -> dict[str, Any]:
 
     def logged(i: int, r: Retiming) -> None:
         s.before[i] = r.now
+        lost = (f" ({r.lost} lost by the cluster" + ("; the stored figures stand)" if r.lost == r.programs else ")")
+                if r.lost else "")
         log.info(f"{s.tasks[i].name} (task {i}): {r.programs} stored programs timed again, best "
-                 f"{_ms(r.stored)} as stored, {_ms(r.now)} now")
+                 f"{_ms(r.stored)} as stored, {_ms(r.now)} now{lost}")
     todo = [len(programs) for programs in s.tuner.incumbents if programs]
     if todo:
         log.info(f"building the {sum(todo)} stored programs of {len(todo)} tasks to time again")

@@ -176,12 +176,13 @@ def incumbents(policy: SketchPolicy, frame: pd.DataFrame, k: int) -> list[Incumb
 @dataclass(frozen=True)
 class Retiming:
     """A resumed task's best stored programs timed again: how many, the best figure stored before and
-    timed now (seconds; inf where none ran), and each program's figure now (steps -> seconds; inf:
-    failed)."""
+    timed now (seconds; inf where none ran; the stored one where the measuring lost them all), each
+    program's figure now (steps -> seconds; inf: failed or lost), and how many the measuring lost."""
     programs: int
     stored: float
     now: float
     timed: dict[str, float] = field(default_factory=dict)
+    lost: int = 0
 
 
 def retime_stored_bests(policy: SketchPolicy, measurer: Measurer, records: RecordStore,
@@ -199,20 +200,32 @@ def retime_stored_bests(policy: SketchPolicy, measurer: Measurer, records: Recor
     ResNet-50 runs; docs/performance.md), and the network is built from whichever night was luckier
     rather than from the fastest program tonight.
     The re-timings are new records (nothing stored is rewritten); from them on the task's older records
-    are history, not its best (storage.queries.competing_mask), for every reader of the store."""
+    are history, not its best (storage.queries.competing_mask), for every reader of the store.
+
+    A program that fails when timed again (it crashes, answers wrongly, no longer builds) is evidence
+    against it, and so a re-timing. One the measuring lost (MeasureResult.lost: a worker or the cluster
+    gone) is not: its record is stored as an ordinary failed measurement, not a re-timing, so a night
+    whose cluster lost every re-timing leaves the task's stored best standing for the next night and for
+    the best-record query (had it cut the history off, the deployed network would lose its tuned
+    kernels to a broken cluster), and this run goes on from the stored figures."""
     if not programs:
         return None
     cands, steps = [p.candidate for p in programs], [p.steps for p in programs]
     stored = policy.best_cost
     results = time_again(measurer, policy.task, steps, timings)
-    records.append(to_records(policy.task, cands, results, round_=round_, flow_run_id=flow_run_id,
-                              network=network, model_version=policy.model.version,
-                              kernels=[p.kernel for p in programs], retiming=True))
+    stamped = to_records(policy.task, cands, results, round_=round_, flow_run_id=flow_run_id, network=network,
+                         model_version=policy.model.version, kernels=[p.kernel for p in programs], retiming=True)
+    for record, result in zip(stamped, results):
+        record.retiming = not result.lost
+    records.append(stamped)
     remember_task(records, policy.task)
-    policy.forget_best()
-    policy.preload(cands, [r.latency for r in results])   # their programs are in the model's data already
+    ran = [(c, r.latency) for c, r in zip(cands, results) if not r.lost]
+    if ran:
+        policy.forget_best()
+        policy.preload([c for c, _ in ran], [t for _, t in ran])   # their programs are in the model's data already
     return Retiming(len(cands), stored, policy.best_cost, {s: r.latency if r.ok else math.inf
-                                                           for s, r in zip(steps, results)})
+                                                           for s, r in zip(steps, results)},
+                    lost=len(cands) - len(ran))
 
 
 def propose(policy: SketchPolicy, n: int) -> tuple[list[Candidate], list[float] | None]:
@@ -473,7 +486,8 @@ class NetworkTuner:
                             ) -> list[Retiming | None]:
         """Time each resumed task's `retime` best stored programs again and restart the scheduler from
         those figures (flows.tuning.retime_stored_bests); a task none of whose re-timings ran goes back
-        to the warm-up. `on_task(i, retiming)` after each task (progress). None for a task not timed again."""
+        to the warm-up, one whose re-timings the measuring lost keeps its stored best. `on_task(i, retiming)`
+        after each task (progress). None for a task not timed again."""
         out: list[Retiming | None] = [None] * len(self.policies)
         if self.records is None or self.measurer is None or self.retime < 1:
             return out

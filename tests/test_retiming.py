@@ -8,9 +8,10 @@ import math
 import numpy as np
 import pytest
 
+from tensortune.codegen.confirmation import confirm_new_bests
 from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
 from tensortune.codegen.target import make_task
-from tensortune.codegen.timing import TimingConfig
+from tensortune.codegen.timing import ErrorCode, TimingConfig
 from tensortune.flows.tuning import NetworkTuner, apply_best, default_programs, tune_task
 from tensortune.search.sketch_policy import SearchParams
 from tensortune.storage.records import RecordStore
@@ -145,3 +146,53 @@ def test_a_resumed_network_builds_every_tasks_stored_bests_in_one_go(tmp_path, m
     assert builder.calls == [6]                     # one call built all six; measure() found them built
     retimed = store.read().query("retiming")
     assert len(retimed) == 6 and (retimed["error_code"] == 0).all() and retimed["workload_key"].nunique() == 2
+
+
+@pytest.fixture(scope="module")
+def node_down():
+    """A real cluster on which the target's measure node is down tonight: the measurer may time only on
+    a worker that never joined, so every timing waits out the round's deadline and is lost
+    (UNKNOWN_ERROR), as when a cluster loses its workers."""
+    from distributed import Client, LocalCluster
+
+    from tensortune.flows.dask_measure import DaskMeasurer
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, resources={"measure-cpu": 1},
+                      dashboard_address=None, host="127.0.0.1") as c, Client(c, set_as_default=False) as client:
+        yield DaskMeasurer(client, timing=TimingConfig(min_repeat_ms=5, repeat=3), workers=["tcp://127.0.0.1:9"],
+                           round_timeout=2.0)
+
+
+def test_retimings_the_cluster_lost_leave_the_stored_best_standing(tmp_path, measurer, node_down):
+    """A re-timing the measuring lost says nothing about the program: stored as an ordinary failed
+    record, it cuts no history off, so a night with a broken cluster neither takes the tuned kernels
+    from the best-record query (the deployed network) nor sends the task back to the warm-up; the next
+    night times the same programs again."""
+    task = make_task(make_dag("matmul", 64, 64, 64))
+    store = RecordStore(str(tmp_path / "store"))
+    tune_task(task, 8, measurer=measurer, params=PARAMS, records=store, seed=0)
+    before = store.best_per_task().iloc[0]
+
+    tuner = NetworkTuner([task], 0, node_down, params=PARAMS, records=store)
+    frame = store.read()
+    tonight = frame.iloc[8:]
+    assert len(tonight) == 3 and (tonight["error_code"] == ErrorCode.UNKNOWN_ERROR).all()
+    assert not frame["retiming"].any()
+    after = store.best_per_task().iloc[0]
+    assert (after["steps"], after["mean_latency"]) == (before["steps"], before["mean_latency"])
+    assert tuner.policies[0].best_cost == before["mean_latency"] == tuner.sched.best_costs[0]
+
+    NetworkTuner([task], 0, measurer, params=PARAMS, records=store)       # the node is back
+    retimed = store.read().query("retiming")
+    assert list(retimed["steps"]) == list(tonight["steps"]) and (retimed["error_code"] == 0).all()
+    assert store.best_per_task()["mean_latency"].item() == retimed["mean_latency"].min()
+
+
+def test_a_confirmation_the_cluster_lost_leaves_the_first_timing(measurer, node_down):
+    """A would-be best whose confirming timings were lost keeps its first timing; were the loss the
+    program's failure, a program that ran well would be recorded as failed."""
+    task = make_task(make_dag("matmul", 64, 64, 64))
+    steps = [default_programs(task)[0].steps_json()]
+    first = measurer.measure(task, steps)
+    assert first[0].ok
+    confirmed = confirm_new_bests(node_down, task, steps, first, math.inf)
+    assert confirmed[0].ok and confirmed[0].costs == first[0].costs
