@@ -16,14 +16,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tensortune.flows.stored_features import StoredFeatures
 from tensortune.schedule.program import Program
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import MIN_FIT_PROGRAMS, WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
-from tensortune.search.feature_pool import Featurizer, feature_code_digest
+from tensortune.search.feature_pool import Featurizer
 from tensortune.search.helper_pool import HelperPool
-from tensortune.storage.feature_cache import FeatureCache, Key, digest
+from tensortune.storage.feature_cache import Key
 from tensortune.storage.models import ModelStore
 from tensortune.storage.records import RecordStore
 from tensortune.storage.tasks import TaskStore
@@ -90,9 +91,9 @@ class Trainer:
         self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed, features=features, objective=objective)
         self.seen: set[tuple[str, str]] = set()
         self.unknown: set[str] = set()             # workload keys with records but no stored task
-        # each store's feature cache (storage.feature_cache), read at the store's first read_new
+        # each store's features (flows.stored_features), its cache read at the store's first read_new
         self.cache_features = cache_features
-        self.caches: dict[str, FeatureCache] = {}
+        self.stored: dict[str, StoredFeatures] = {}
 
     def _task(self, key: str, records: RecordStore) -> SearchTask | None:
         if key in self.tasks:
@@ -113,11 +114,11 @@ class Trainer:
 
     def read_new(self, records: RecordStore) -> int:
         """Add the records not read before; returns how many programs were added. A program's features
-        come from the store's feature cache where it has them; those computed here are saved to it."""
+        come from the store's feature cache where it has them (flows.stored_features, loaded at the
+        store's first read); those computed here are saved to it."""
         keys = None if self.transfer else list(self.tasks)
         frame = records.training_frame(target=self.target, workload_keys=keys)
-        cache, known = self._cache(records)
-        computed: dict[Key, np.ndarray] = {}
+        features = self._features(records)
         added = 0
         for key, rows in frame.groupby("workload_key", sort=False):
             task = self._task(str(key), records)
@@ -127,44 +128,36 @@ class Trainer:
             # description out takes ~3 ms (0.1 s a retrain for ResNet-50's 36 with no new row)
             task_digest = ""
             order: list[Key] = []                      # the programs added, in record order
-            cands, new_keys, costs = [], [], []
+            programs: list[Candidate | None] = []      # ... replayed where their features are not held
+            costs: list[float] = []
             for steps, latency, code in zip(rows["steps"], rows["mean_latency"], rows["error_code"]):
                 if (key, steps) in self.seen:
                     continue
                 self.seen.add((key, steps))
-                task_digest = task_digest or digest(task.to_json())
-                at = (task_digest, digest(steps))
-                if at not in known:
+                task_digest = task_digest or features.task_digest(task)
+                at = features.key(task_digest, steps)
+                program = None
+                if not features.holds(at):
                     try:
-                        cands.append(Candidate.of(State.from_json(task.dag, steps)))
+                        program = Candidate.of(State.from_json(task.dag, steps))
                     except IllegalStep:
                         continue             # written by an older rule set: kept in the store, skipped here
-                    new_keys.append(at)
                 order.append(at)
+                programs.append(program)
                 costs.append(float(latency) if code == 0 else math.inf)
-            if cands:
-                computed.update(zip(new_keys, self.xgb.features(task, cands)))
             if order:
-                self.xgb.add_features(task, [known[at] if at in known else computed[at] for at in order], costs)
+                self.xgb.add_features(task, features.matrices(self.xgb, task, order, programs), costs)
                 added += len(order)
-        if cache is not None and computed:
-            try:
-                cache.save(computed)
-            except OSError as err:           # a store we may read but not write: train all the same
-                log.warning("features not cached in %s: %s", records.location.url, err)
+        features.done()
         return added
 
-    def _cache(self, records: RecordStore) -> tuple[FeatureCache | None, dict[Key, np.ndarray]]:
-        """The store's feature cache, and what it holds at the store's first read (nothing later: the
-        programs read after it are the ones measured since, and the matrices are not held twice; None
-        and nothing when caching is off, or no source says which code computes the features)."""
-        url, code = records.location.url, feature_code_digest()
-        if not self.cache_features or not code:
-            return None, {}
-        if url in self.caches:
-            return self.caches[url], {}
-        cache = self.caches[url] = FeatureCache(url, code, filesystem=records.location.fs)
-        return cache, cache.load()
+    def _features(self, records: RecordStore) -> StoredFeatures:
+        """The store's features: its cache, loaded at the store's first read (nothing later: the programs
+        read after it are the ones measured since, and the matrices are not held twice)."""
+        url = records.location.url
+        if url not in self.stored:
+            self.stored[url] = StoredFeatures(records, enabled=self.cache_features)
+        return self.stored[url]
 
 
 @dataclass

@@ -21,12 +21,14 @@ from tensortune.codegen.measure import BuildsAhead, LocalRunner, Measurer, Measu
 from tensortune.codegen.network_runtime import touched_bytes
 from tensortune.codegen.target import make_task
 from tensortune.codegen.timing import NETWORK_TIMING, TimingConfig
+from tensortune.flows.stored_features import StoredFeatures
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tensortune.search.task_scheduler import INF_COST, Objective, TaskScheduler, effective_costs
+from tensortune.storage.feature_cache import Key
 from tensortune.storage.queries import competing_mask, fastest_programs
 from tensortune.storage.records import MeasureRecord, RecordStore
 from tensortune.storage.tasks import TaskStore
@@ -113,7 +115,7 @@ def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureRe
     return out
 
 
-def resume_policy(policy: SketchPolicy, frame: pd.DataFrame) -> int:
+def resume_policy(policy: SketchPolicy, frame: pd.DataFrame, features: StoredFeatures | None = None) -> int:
     """Feed the stored history of this task (`frame`: its records on the policy's target,
     RecordStore.records_of) into the policy and its cost model; returns the number of programs in it (a
     program timed again counts once). Every stored program counts as measured and trains the model;
@@ -121,28 +123,41 @@ def resume_policy(policy: SketchPolicy, frame: pd.DataFrame) -> int:
     (storage.queries.competing_mask), as the best-record query has it. The caller reads the frame, so
     that what else a resumed run needs of it (incumbents, the default schedule's timing) comes from the
     same read, and refits the model once its tasks are all read (refitted per task, ResNet-50's 36
-    fits, each on all the programs read so far, took 40 s of resuming a 6000-program store; 17 s with one)."""
+    fits, each on all the programs read so far, took 40 s of resuming a 6000-program store; 17 s with one).
+
+    features: the store's (flows.stored_features). A program whose features it holds is parsed, not
+    replayed, and an XGBModel takes its features from it; without, every program is replayed and
+    featurised (the model's `add`)."""
     if frame.empty:
         return 0
+    task = policy.task
+    task_digest = features.task_digest(task) if features is not None else ""
     competing = competing_mask(frame, ["workload_key"])
-    parts: dict[bool, tuple[list[Candidate], list[float], list[str]]] = {False: ([], [], []), True: ([], [], [])}
+    parts: dict[bool, tuple[list[Candidate], list[float], list[str], list[Key]]] = {
+        False: ([], [], [], []), True: ([], [], [], [])}
     for steps, latency, code, kernel, counts in zip(frame["steps"], frame["mean_latency"], frame["error_code"],
                                                     frame["kernel"], competing):
+        at = features.key(task_digest, steps) if features is not None else ("", "")
         try:
-            state = State.from_json(policy.task.dag, steps)
+            cand = (features.program(task, at, steps) if features is not None
+                    else Candidate.of(State.from_json(task.dag, steps)))
         except IllegalStep:
             continue                       # a record from an older rule set: keep it, skip it here
-        cands, costs, kernels = parts[bool(counts)]
-        cands.append(Candidate.of(state))
+        cands, costs, kernels, keys = parts[bool(counts)]
+        cands.append(cand)
         costs.append(float(latency) if code == 0 else math.inf)
         # a kernel named by an older identity rule is lowered again (the policy does it)
         kernels.append(kernel if kernel.startswith(KERNEL_PREFIX) else "")
+        keys.append(at)
     older, newer = parts[False], parts[True]
-    policy.preload(*older)
+    policy.preload(*older[:3])
     policy.forget_best()                   # the older records' figures are another night's
-    policy.preload(*newer)
-    cands, costs = older[0] + newer[0], older[1] + newer[1]
-    policy.model.add(policy.task, cands, costs)
+    policy.preload(*newer[:3])
+    cands, costs, keys = older[0] + newer[0], older[1] + newer[1], older[3] + newer[3]
+    if features is not None and isinstance(policy.model, XGBModel):
+        policy.model.add_features(task, features.matrices(policy.model, task, keys, cands), costs)
+    else:
+        policy.model.add(task, cands, costs)
     return len({c.key for c in cands})
 
 
@@ -330,7 +345,10 @@ def tune_task(task: SearchTask, trials: int, *, measurer: Measurer | None = None
     try:
         if records is not None:
             stored = records.records_of(task.workload_key, target=task.target)
-            if resume_policy(policy, stored):
+            features = StoredFeatures(records)
+            read = resume_policy(policy, stored, features)
+            features.done()
+            if read:
                 policy.model.refit()
                 if retime:
                     retime_stored_bests(policy, measurer, records, incumbents(policy, stored, retime),
@@ -423,8 +441,9 @@ class NetworkTuner:
                  seed: int = 0, flow_run_id: str = "", network_name: str = "", scheduler_options: dict | None = None,
                  progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None,
                  resume: bool = True, form_sets: Sequence[Sequence[int]] = (), confirm: int = CONFIRM_TIMINGS,
-                 first_round: int | None = None, retime: int = RETIME_PROGRAMS):
+                 first_round: int | None = None, retime: int = RETIME_PROGRAMS, cache_features: bool = True):
         self.trials, self.measurer, self.records, self.progress = trials, measurer, records, progress
+        self.cache_features = cache_features      # resume() through the store's feature cache
         self.retime = retime              # stored programs of a resumed task timed again (0: none)
         self.confirm = confirm            # timings added to a would-be best (codegen.confirmation)
         self.flow_run_id, self.network_name = flow_run_id, network_name
@@ -463,12 +482,15 @@ class NetworkTuner:
 
     def resume(self) -> list[int]:
         """Read each task's stored history into its policy, the cost model and the scheduler (one read of
-        the store per task); returns the number of programs read per task."""
+        the store per task); returns the number of programs read per task. Through the store's feature
+        cache (flows.stored_features; cache_features=False: without): the programs it holds are neither
+        replayed nor featurised, and the features computed are saved to it."""
         if self.records is None:
             return list(self.history)
+        features = StoredFeatures(self.records, enabled=self.cache_features)
         for i, p in enumerate(self.policies):
             stored = self.records.records_of(p.task.workload_key, target=p.task.target)
-            n = self.history[i] = resume_policy(p, stored)
+            n = self.history[i] = resume_policy(p, stored, features)
             self.incumbents[i] = incumbents(p, stored, self.retime)
             default = self.default_steps[i]
             if n and default is not None:
@@ -477,6 +499,7 @@ class NetworkTuner:
                     self.default_latency[i] = float(ran["mean_latency"].iloc[-1])     # its newest timing
             if n and p.best is not None:
                 self._restore(i)
+        features.done()
         if any(self.history):
             self.model.refit()
         self._sync_result()

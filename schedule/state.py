@@ -255,6 +255,12 @@ class State:
 
     @staticmethod
     def from_json(dag: ComputeDAG, steps: str | list) -> "State":
+        return State.replay(dag, State.parse_steps(steps))
+
+    @staticmethod
+    def parse_steps(steps: str | list) -> tuple[Step, ...]:
+        """The steps of a record, parsed but not applied (IllegalStep when malformed): a caller that knows
+        they replay (flows.stored_features) leaves the replay until something needs the loops."""
         if isinstance(steps, str):
             try:
                 steps = json.loads(steps)
@@ -263,7 +269,7 @@ class State:
                                   f"[[\"SP\",2,0,512,[16],1], ...]") from None
         if not isinstance(steps, list) or not all(isinstance(s, list) and s for s in steps):
             raise IllegalStep("malformed step JSON: expected a list of steps, each a non-empty list")
-        return State.replay(dag, [step_from_json(s) for s in steps])
+        return tuple(step_from_json(s) for s in steps)
 
     # ----------------------------------------------------------------- printing (TVM's State::ToStr)
 

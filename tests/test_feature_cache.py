@@ -14,7 +14,8 @@ from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasure
 from tensortune.codegen.target import make_task
 from tensortune.codegen.timing import TimingConfig
 from tensortune.flows.retrain import Trainer
-from tensortune.flows.tuning import tune_task
+from tensortune.flows.tuning import NetworkTuner, tune_task
+from tensortune.search.cost_model import XGBModel
 from tensortune.search.feature_pool import Featurizer, feature_code_digest, source_digest
 from tensortune.search.sketch_policy import SearchParams
 from tensortune.storage.feature_cache import MERGE_AT, FeatureCache, digest
@@ -59,12 +60,13 @@ def read(root: str, tasks, cache: bool = True) -> tuple[Trainer, CountingFeaturi
     return trainer, features
 
 
-def same_data(a: Trainer, b: Trainer) -> bool:
-    return list(a.xgb.data) == list(b.xgb.data) and all(
-        len(a.xgb.data[k]) == len(b.xgb.data[k])
+def same_data(a: Trainer | XGBModel, b: Trainer | XGBModel) -> bool:
+    x, y = (m.xgb if isinstance(m, Trainer) else m for m in (a, b))
+    return list(x.data) == list(y.data) and all(
+        len(x.data[k]) == len(y.data[k])
         and all(np.array_equal(fa, fb) and fa.dtype == fb.dtype and ta == tb
-                for (fa, ta), (fb, tb) in zip(a.xgb.data[k], b.xgb.data[k]))
-        for k in a.xgb.data)
+                for (fa, ta), (fb, tb) in zip(x.data[k], y.data[k]))
+        for k in x.data)
 
 
 def test_a_second_read_takes_every_feature_from_the_cache_bit_for_bit(tuned, tmp_path):
@@ -149,3 +151,35 @@ def test_the_code_digest_follows_the_feature_packages_only(tmp_path):
     assert source_digest(tmp_path, packages) != before
     shutil.rmtree(tmp_path / "tasks")                          # compiled files only: no digest, no cache
     assert source_digest(tmp_path, packages) == ""
+
+
+def resumed(root: str, tasks, cache: bool = True) -> tuple[NetworkTuner, CountingFeaturizer]:
+    features = CountingFeaturizer()
+    tuner = NetworkTuner(tasks, 2 * TRIALS, None, model=XGBModel(features=features), params=PARAMS,
+                         records=RecordStore(root), cache_features=cache)
+    assert tuner.history == [TRIALS, TRIALS]
+    return tuner, features
+
+
+def test_a_resume_neither_replays_nor_featurises_what_the_cache_holds(tuned, tmp_path):
+    """The library's resume (NetworkTuner with its own model, as the benchmarks use it) reads the cache as
+    the flow's trainer does; a program the cache holds replayed under today's code, so it is parsed and
+    its loops wait until something needs them. The model learns the same numbers and proposes the same."""
+    root = str(tmp_path / "records")
+    shutil.copytree(tuned[0], root)
+    plain, computed = resumed(root, tuned[1], cache=False)
+    assert computed.programs == 2 * TRIALS and not os.path.exists(os.path.join(root, FEATURES_DIR))
+    first, computed = resumed(root, tuned[1])
+    assert computed.programs == 2 * TRIALS
+    again, computed = resumed(root, tuned[1])
+    assert computed.programs == 0
+    replayed = lambda tuner: sum(c._state is not None for p in tuner.policies  # noqa: E731
+                                 for c in p.measured_cands.values())
+    assert replayed(plain) == replayed(first) == 2 * TRIALS and replayed(again) == 0
+    proposed = lambda tuner: [[c.steps_json for c in tuner.propose(i).candidates] for i in range(2)]  # noqa: E731
+    expected = proposed(plain)
+    assert [len(batch) for batch in expected] == [PARAMS.num_measures_per_round] * 2
+    for tuner in (first, again):
+        assert same_data(plain.model, tuner.model)
+        assert [p.best_cost for p in tuner.policies] == [p.best_cost for p in plain.policies]
+        assert proposed(tuner) == expected
