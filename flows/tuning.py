@@ -482,7 +482,7 @@ class NetworkTuner:
 
     def resume(self) -> list[int]:
         """Read each task's stored history into its policy, the cost model and the scheduler (one read of
-        the store per task); returns the number of programs read per task. Through the store's feature
+        the store per target); returns the number of programs read per task. Through the store's feature
         cache (flows.stored_features; cache_features=False: without): the programs it holds are neither
         replayed nor featurised, and the features computed are saved to it."""
         if self.records is None:
