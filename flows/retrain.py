@@ -9,7 +9,6 @@ each retrain featurises only the records added since the last one.
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -31,7 +30,6 @@ from tensortune.storage.tasks import TaskStore
 from tensortune.tasks.search_task import SearchTask
 
 MODEL_KIND = "xgb-packsum"
-log = logging.getLogger("tensortune.flows")
 
 
 class NewestModel(CostModel):
