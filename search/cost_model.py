@@ -31,8 +31,12 @@ log = logging.getLogger("tensortune.search")
 # logistic loss on pack sums of programs of one task, which only asks for the order the search uses
 OBJECTIVES = ("regression", "rank")
 
+# TVM's parameters, and 64 histogram bins a feature instead of XGBoost's 256: a network store's fit
+# (ResNet-50's 6000 programs, 22 000 feature rows) took half the time, 1.0 against 2.1 s, with the same
+# held-out accuracy (35 of its tasks cross-validated: 0.6717 against 0.6714, no task 0.01 apart; the
+# tests' matmul data 0.679 / 0.751 against 0.674 / 0.752); the flow retrains every round
 XGB_PARAMS = {"max_depth": 10, "gamma": 0.001, "min_child_weight": 0, "eta": 0.2, "verbosity": 0,
-              "disable_default_eval_metric": 1, "nthread": 2}
+              "disable_default_eval_metric": 1, "nthread": 2, "max_bin": 64}
 
 
 class CostModel:
