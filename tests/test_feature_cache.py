@@ -69,15 +69,23 @@ def same_data(a: Trainer | XGBModel, b: Trainer | XGBModel) -> bool:
         for k in x.data)
 
 
-def test_a_second_read_takes_every_feature_from_the_cache_bit_for_bit(tuned, tmp_path):
+def three_reads(tuned, tmp_path, reader) -> tuple[str, list]:
+    """`reader(root, tasks, cache=...)` -> (reader, its CountingFeaturizer) on a copy of the store three
+    times: without the cache (nothing written), filling it and from it, every program featurised by the
+    first two and none by the third; the copy's root and the three readers."""
     root = str(tmp_path / "records")
     shutil.copytree(tuned[0], root)
-    plain, computed = read(root, tuned[1], cache=False)
+    plain, computed = reader(root, tuned[1], cache=False)
     assert computed.programs == 2 * TRIALS and not os.path.exists(os.path.join(root, FEATURES_DIR))
-    first, computed = read(root, tuned[1])
+    first, computed = reader(root, tuned[1])
     assert computed.programs == 2 * TRIALS
-    again, computed = read(root, tuned[1])
+    again, computed = reader(root, tuned[1])
     assert computed.programs == 0
+    return root, [plain, first, again]
+
+
+def test_a_second_read_takes_every_feature_from_the_cache_bit_for_bit(tuned, tmp_path):
+    root, (plain, first, again) = three_reads(tuned, tmp_path, read)
     assert same_data(plain, first) and same_data(plain, again)
     assert len(pd.read_parquet(root)) == 2 * TRIALS          # readers of the records see records only
     assert not [p for p in Path(root).rglob("*.parquet") if "_features" in p.parts]     # nor a DuckDB glob
@@ -165,14 +173,7 @@ def test_a_resume_neither_replays_nor_featurises_what_the_cache_holds(tuned, tmp
     """The library's resume (NetworkTuner with its own model, as the benchmarks use it) reads the cache as
     the flow's trainer does; a program the cache holds replayed under today's code, so it is parsed and
     its loops wait until something needs them. The model learns the same numbers and proposes the same."""
-    root = str(tmp_path / "records")
-    shutil.copytree(tuned[0], root)
-    plain, computed = resumed(root, tuned[1], cache=False)
-    assert computed.programs == 2 * TRIALS and not os.path.exists(os.path.join(root, FEATURES_DIR))
-    first, computed = resumed(root, tuned[1])
-    assert computed.programs == 2 * TRIALS
-    again, computed = resumed(root, tuned[1])
-    assert computed.programs == 0
+    _, (plain, first, again) = three_reads(tuned, tmp_path, resumed)
     replayed = lambda tuner: sum(c._state is not None for p in tuner.policies  # noqa: E731
                                  for c in p.measured_cands.values())
     assert replayed(plain) == replayed(first) == 2 * TRIALS and replayed(again) == 0
