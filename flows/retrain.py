@@ -18,7 +18,6 @@ import numpy as np
 from tensortune.flows.stored_features import StoredFeatures
 from tensortune.schedule.program import Program
 from tensortune.schedule.stage import IllegalStep
-from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import MIN_FIT_PROGRAMS, WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
 from tensortune.search.feature_pool import Featurizer
@@ -137,7 +136,7 @@ class Trainer:
                 program = None
                 if not features.holds(at):
                     try:
-                        program = Candidate.of(State.from_json(task.dag, steps))
+                        program = features.program(task, at, steps)
                     except IllegalStep:
                         continue             # written by an older rule set: kept in the store, skipped here
                 order.append(at)

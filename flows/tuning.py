@@ -115,7 +115,7 @@ def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureRe
     return out
 
 
-def resume_policy(policy: SketchPolicy, frame: pd.DataFrame, features: StoredFeatures | None = None) -> int:
+def resume_policy(policy: SketchPolicy, frame: pd.DataFrame, features: StoredFeatures) -> int:
     """Feed the stored history of this task (`frame`: its records on the policy's target,
     RecordStore.records_of) into the policy and its cost model; returns the number of programs in it (a
     program timed again counts once). Every stored program counts as measured and trains the model;
@@ -126,21 +126,19 @@ def resume_policy(policy: SketchPolicy, frame: pd.DataFrame, features: StoredFea
     fits, each on all the programs read so far, took 40 s of resuming a 6000-program store; 17 s with one).
 
     features: the store's (flows.stored_features). A program whose features it holds is parsed, not
-    replayed, and an XGBModel takes its features from it; without, every program is replayed and
-    featurised (the model's `add`)."""
+    replayed, and an XGBModel takes its features from it; another model learns through its `add`."""
     if frame.empty:
         return 0
     task = policy.task
-    task_digest = features.task_digest(task) if features is not None else ""
+    task_digest = features.task_digest(task)
     competing = competing_mask(frame, ["workload_key"])
     parts: dict[bool, tuple[list[Candidate], list[float], list[str], list[Key]]] = {
         False: ([], [], [], []), True: ([], [], [], [])}
     for steps, latency, code, kernel, counts in zip(frame["steps"], frame["mean_latency"], frame["error_code"],
                                                     frame["kernel"], competing):
-        at = features.key(task_digest, steps) if features is not None else ("", "")
+        at = features.key(task_digest, steps)
         try:
-            cand = (features.program(task, at, steps) if features is not None
-                    else Candidate.of(State.from_json(task.dag, steps)))
+            cand = features.program(task, at, steps)
         except IllegalStep:
             continue                       # a record from an older rule set: keep it, skip it here
         cands, costs, kernels, keys = parts[bool(counts)]
@@ -154,7 +152,7 @@ def resume_policy(policy: SketchPolicy, frame: pd.DataFrame, features: StoredFea
     policy.forget_best()                   # the older records' figures are another night's
     policy.preload(*newer[:3])
     cands, costs, keys = older[0] + newer[0], older[1] + newer[1], older[3] + newer[3]
-    if features is not None and isinstance(policy.model, XGBModel):
+    if isinstance(policy.model, XGBModel):
         policy.model.add_features(task, features.matrices(policy.model, task, keys, cands), costs)
     else:
         policy.model.add(task, cands, costs)

@@ -15,6 +15,7 @@ from tensortune.codegen.llvm_codegen import generate_llvm_ir
 from tensortune.codegen.lower import lower
 from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
 from tensortune.codegen.target import make_task
+from tensortune.flows.stored_features import StoredFeatures
 from tensortune.flows.tuning import resume_policy, to_records, tune_task
 from tensortune.schedule.state import State
 from tensortune.search.cost_model import XGBModel
@@ -133,7 +134,7 @@ def test_records_name_their_kernels_and_a_resumed_search_lowers_none_of_them(tmp
 
     counted = _Counted(identity)
     resumed = SketchPolicy(task, seed=5, kernel_identity=counted)
-    assert resume_policy(resumed, frame) == 24 and counted.calls == 0       # the records named them
+    assert resume_policy(resumed, frame, StoredFeatures(store)) == 24 and counted.calls == 0  # named by the records
     batch = resumed.next_batch(12)
     assert batch and all(resumed.kernel_of(c) == identity(c.state) not in stored for c in batch)
 
@@ -143,7 +144,7 @@ def test_records_name_their_kernels_and_a_resumed_search_lowers_none_of_them(tmp
     asked: list[int] = []
     ask = policy.identities
     policy.identities = lambda cands, helpers=None: asked.append(len(cands)) or ask(cands, helpers)  # type: ignore
-    resume_policy(policy, bare.records_of(task.workload_key))
+    resume_policy(policy, bare.records_of(task.workload_key), StoredFeatures(bare))
     assert counted.calls == 6 and asked == [6]          # lowered once each, at resume, in one call (helpers too)
     for steps in list(frame["steps"][:2]) + [programs[0].steps_json]:
         check_state(State.from_json(task.dag, steps))
