@@ -497,7 +497,7 @@ def dag_from_json(data: dict | str) -> ComputeDAG:
                     return Reduce(j[1], build(j[3]), tuple(axes[i] for i in j[2]))
                 raise DAGError(f"unknown expression tag {tag!r}")
 
-            body = build(item["body"])
+            body = te.shared(build(item["body"]))
             n_sp = len(shape)
             by_name[item["name"]] = Tensor(item["name"], shape, item["dtype"], tuple(axes[:n_sp]), body,
                                            item.get("attrs"))

@@ -450,7 +450,7 @@ def compute(shape, fcompute: Callable, name: str = "compute", attrs: dict | None
     if not isinstance(body, Reduce) and _contains_reduce(body):
         raise TypeError(f"compute {name!r}: a reduction must be the whole body, not part of an "
                         f"expression; compute the reduction in its own stage")
-    return Tensor(name, shape, body.dtype, axes, body, attrs)
+    return Tensor(name, shape, body.dtype, axes, shared(body), attrs)
 
 
 # ----------------------------------------------------------------------------------- traversal
@@ -522,6 +522,66 @@ def rebuild(e: Expr, kids: Sequence[Expr]) -> Expr:
     if isinstance(e, Reduce):
         return Reduce(e.combiner, kids[0], e.axes)
     return e
+
+
+def shared(e: Expr) -> Expr:
+    """`e` with structurally equal subtrees made one object (hash-consing); the tree it prints is `e`'s.
+
+    Why: the walks a body goes through once per program the search looks at (`substitute`, `transform`,
+    `walk_distinct`, lowering) are memoised by object, so they cost what the body has in distinct
+    objects, not in tree nodes. A Winograd F(4) input transform, a select chain over the 36 points of a
+    6x6 tile whose branches read the tile's 36 padded values, made each read afresh: 14 500 objects,
+    about 2 500 shared. And the shape of a body must not depend on where it was made: the code
+    generator emits a shared node once per statement, so a task built in the flow and the same task
+    read back from JSON (a tree) on a worker gave different LLVM IR for some Winograd programs. Every
+    body comes from `compute` or from `dag_from_json`, and both share it here. What reads a body as a
+    tree (its text, the workload key, the kernel identity, the features, which count paths) is unchanged."""
+    return _shared(e, {}, {})
+
+
+def _shared(node: Expr, memo: dict[int, Expr], table: dict[tuple, Expr]) -> Expr:
+    out = memo.get(id(node))
+    if out is not None:
+        return out
+    if isinstance(node, Const):
+        key: tuple = (Const, node.dtype, repr(node.value))     # repr: -0.0 and 0.0 stay apart
+        out = table.setdefault(key, node)
+    elif isinstance(node, Var) or not children(node):
+        out = node
+    else:
+        kids = children(node)
+        new_kids = tuple(_shared(k, memo, table) for k in kids)
+        head = (node.op if isinstance(node, (BinOp, Cmp)) else node.name if isinstance(node, Call)
+                else node.tensor if isinstance(node, Load) else (node.combiner, node.axes) if isinstance(node, Reduce)
+                else None)
+        key = (type(node), node.dtype, head, tuple(id(k) for k in new_kids))
+        out = table.get(key)
+        if out is None:
+            same = builtins.all(a is b for a, b in zip(kids, new_kids))
+            out = table[key] = node if same else _with_children(node, new_kids)
+    memo[id(node)] = out
+    return out
+
+
+def _with_children(e: Expr, kids: Sequence[Expr]) -> Expr:
+    """The same node over new children, as made (no folding, unlike `rebuild`)."""
+    if isinstance(e, BinOp):
+        return BinOp(e.op, kids[0], kids[1])
+    if isinstance(e, Cmp):
+        return Cmp(e.op, kids[0], kids[1])
+    if isinstance(e, Load):
+        return type(e)(e.tensor, tuple(kids))
+    if isinstance(e, Select):
+        return Select(kids[0], kids[1], kids[2])
+    if isinstance(e, Call):
+        return Call(e.name, tuple(kids), e.dtype)
+    if isinstance(e, Cast):
+        return Cast(e.dtype, kids[0])
+    if isinstance(e, Not):
+        return Not(kids[0])
+    if isinstance(e, Reduce):
+        return Reduce(e.combiner, kids[0], e.axes)
+    raise TypeError(f"cannot share a {type(e).__name__} node")
 
 
 def transform(e: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:

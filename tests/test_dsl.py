@@ -161,3 +161,34 @@ def test_walk_distinct_visits_a_shared_subtree_once():
     assert {id(n) for n in walked} == {id(n) for n in distinct}
     assert len(distinct) == len({id(n) for n in distinct})
     assert distinct[0] is e                      # pre-order, as walk
+
+
+def test_shared_makes_equal_subtrees_one_object_and_keeps_the_tree():
+    """`te.shared` (every compute body passes it): structurally equal subtrees become one object, the
+    tree it prints stays the same, constants that differ only in a zero's sign stay apart, a variable is
+    never merged with another of its name, and sharing a shared expression changes nothing."""
+    x = te.placeholder((8,), "float32", "x")
+    i, j = te.Var("i"), te.Var("i")
+    e = (x[i + 1] * -0.0 + x[i + 1] * 0.0) + (x[j + 1] + x[i + 1])
+    s = te.shared(e)
+    assert te.to_text(s) == te.to_text(e)
+    loads = {id(n): n for n in te.walk(s) if isinstance(n, te.Load)}
+    assert len([n for n in te.walk(s) if isinstance(n, te.Load)]) == 4 and len(loads) == 2   # x[i+1] thrice, x[j+1]
+    zeros = [n for n in te.walk_distinct(s) if isinstance(n, te.Const) and n.value == 0.0]
+    assert sorted(repr(z.value) for z in zeros) == ["-0.0", "0.0"]
+    assert te.shared(s) is s
+
+
+def test_a_body_is_shared_wherever_it_comes_from():
+    """A compute's body and the same body read back from JSON have the same objects: as many distinct
+    nodes, and the same text. A Winograd F(4) input transform reads its tile's 36 values once each."""
+    dag = make_dag("conv2d_winograd", 1, 14, 14, 16, 16, 1, 4, layout="NHWC")
+    back = ComputeDAG.from_json(dag.to_json())
+    for t, u in zip(dag.tensors, back.tensors):
+        if t.body is None:
+            continue
+        assert te.to_text(t.body) == te.to_text(u.body)
+        assert len(list(te.walk_distinct(t.body))) == len(list(te.walk_distinct(u.body))), t.name
+    pack = dag.tensor("data_pack").body
+    loads = {id(n) for n in te.walk_distinct(pack) if isinstance(n, te.Load)}
+    assert len(loads) == 36 and len([n for n in te.walk(pack) if isinstance(n, te.Load)]) > 300

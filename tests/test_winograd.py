@@ -313,3 +313,26 @@ def test_default_vector_tiles_split_exactly_where_they_can():
     s = default_schedule(make_dag("conv2d_winograd", 1, 14, 14, 8, 8, 1, 2))      # P = 7 x 7 = 49 tiles
     splits = [st for st in s.steps if isinstance(st, SplitStep) and st.extent == 49]
     assert splits and all(49 % st.lengths[-1] == 0 for st in splits)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_a_task_read_back_from_json_compiles_to_the_same_code(layout):
+    """The flow builds its tasks, its measuring workers read them back from JSON, and the deployed
+    network is compiled from the flow's: the kernel timed must be the kernel run. The code generator
+    emits an expression object once per statement, so a body's sharing is part of the code; every body
+    is shared the same way wherever it comes from (`te.shared`). Before that, the default schedule of
+    an F(4) task gave the two different LLVM IR. The same IR for the default schedule and sampled programs."""
+    from tensortune.codegen.llvm_codegen import generate_llvm_ir
+    from tensortune.codegen.lower import lower
+    from tensortune.tasks.search_task import SearchTask
+
+    task = make_task(make_dag("conv2d_winograd", 1, 14, 14, 16, 16, 1, 4, True, layout=layout))
+    back = SearchTask.from_json(task.to_json())
+    pol = SketchPolicy(task, params=SearchParams(), seed=0)
+    pol.rng = random.Random(4)
+    states = [default_schedule(task.dag)] + [c.state for c in pol.sample(4)]
+    assert len(states) == 5
+    for state in states:
+        again = State.from_json(back.dag, state.steps_json())
+        assert generate_llvm_ir(lower(state), "x86-64", "") == generate_llvm_ir(lower(again), "x86-64", ""), \
+            state.steps_json()
