@@ -175,10 +175,11 @@ def lowered_text(f: LoweredFunc, canonical: bool = False) -> str:
     extent 1 is left out, its variable printed as 0, as both backends emit it (its body, the variable
     the constant 0), unless it is bound to a GPU grid or block axis (the launch's dimensions)."""
     names: dict = {}
+    texts: dict[int, str] = {}      # one memo for every expression of `f` (the statements share objects)
     out = [f"{f.name}({', '.join(f'{b.name}: {b.dtype}{list(b.shape)}' for b in f.args)}) {{"]
 
     def ex(e: Expr) -> str:
-        return te.to_text(e, names)
+        return te.to_text(e, names, texts)
 
     def dropped(s: For) -> bool:
         return canonical and s.extent == 1 and s.kind in _UNBOUND_KINDS

@@ -654,39 +654,49 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "flo
           "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "and": "&&", "or": "||"}
 
 
-def to_text(e: Expr, names: dict | None = None) -> str:
-    """Infix text with full parentheses; tensors and vars print by name (or `names[obj]`)."""
-    def name_of(obj) -> str:
-        return names.get(obj, obj.name) if names else obj.name
+def to_text(e: Expr, names: dict | None = None, memo: dict[int, str] | None = None) -> str:
+    """Infix text with full parentheses; tensors and vars print by name (or `names[obj]`). Each object's
+    text is made once (memoised by object; a caller printing many expressions with one `names` may pass
+    one `memo` for all, while their objects live): the text of a body is a tree's, and a kernel identity
+    prints a lowered Winograd F(4) program, 2 500 objects that print as 14 500 nodes, for every program
+    the search considers."""
+    return _text(e, names or {}, {} if memo is None else memo)
 
-    def go(n: Expr) -> str:
-        if isinstance(n, Var):
-            return name_of(n)
-        if isinstance(n, Const):
-            if n.dtype == "bool":
-                return "True" if n.value else "False"
-            if is_float(n.dtype):
-                return f"{n.value!r}f" if n.dtype == "float32" else repr(n.value)
-            return str(n.value)
-        if isinstance(n, BinOp):
-            if n.op in ("min", "max"):
-                return f"{n.op}({go(n.a)}, {go(n.b)})"
-            return f"({go(n.a)}{_INFIX[n.op]}{go(n.b)})"
-        if isinstance(n, Cmp):
-            return f"({go(n.a)} {_INFIX[n.op]} {go(n.b)})"
-        if isinstance(n, Not):
-            return f"!{go(n.a)}"
-        if isinstance(n, Select):
-            return f"if_then_else({go(n.cond)}, {go(n.t)}, {go(n.f)})"
-        if isinstance(n, Call):
-            return f"{n.name}({', '.join(go(a) for a in n.args)})"
-        if isinstance(n, Cast):
-            return f"{n.dtype}({go(n.value)})"
-        if isinstance(n, Load):
-            return f"{name_of(n.tensor)}[{', '.join(go(i) for i in n.indices)}]"
-        if isinstance(n, Reduce):
-            axes = ", ".join(f"{name_of(a)}:{a.extent}" for a in n.axes)
-            return f"{n.combiner}({go(n.source)}, axis=[{axes}])"
+
+def _text(n: Expr, names: dict, memo: dict[int, str]) -> str:
+    # a module-level function, not a recursive closure (see _transform)
+    out = memo.get(id(n))
+    if out is not None:
+        return out
+    if isinstance(n, Var):
+        out = names.get(n, n.name) if names else n.name
+    elif isinstance(n, Const):
+        if n.dtype == "bool":
+            out = "True" if n.value else "False"
+        elif is_float(n.dtype):
+            out = f"{n.value!r}f" if n.dtype == "float32" else repr(n.value)
+        else:
+            out = str(n.value)
+    elif isinstance(n, BinOp):
+        a, b = _text(n.a, names, memo), _text(n.b, names, memo)
+        out = f"{n.op}({a}, {b})" if n.op in ("min", "max") else f"({a}{_INFIX[n.op]}{b})"
+    elif isinstance(n, Cmp):
+        out = f"({_text(n.a, names, memo)} {_INFIX[n.op]} {_text(n.b, names, memo)})"
+    elif isinstance(n, Not):
+        out = f"!{_text(n.a, names, memo)}"
+    elif isinstance(n, Select):
+        out = f"if_then_else({', '.join(_text(k, names, memo) for k in (n.cond, n.t, n.f))})"
+    elif isinstance(n, Call):
+        out = f"{n.name}({', '.join(_text(a, names, memo) for a in n.args)})"
+    elif isinstance(n, Cast):
+        out = f"{n.dtype}({_text(n.value, names, memo)})"
+    elif isinstance(n, Load):
+        tensor = names.get(n.tensor, n.tensor.name) if names else n.tensor.name
+        out = f"{tensor}[{', '.join(_text(i, names, memo) for i in n.indices)}]"
+    elif isinstance(n, Reduce):
+        axes = ", ".join(f"{names.get(a, a.name) if names else a.name}:{a.extent}" for a in n.axes)
+        out = f"{n.combiner}({_text(n.source, names, memo)}, axis=[{axes}])"
+    else:
         raise TypeError(f"unknown expression node {type(n).__name__}")
-
-    return go(e)
+    memo[id(n)] = out
+    return out
