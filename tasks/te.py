@@ -532,11 +532,12 @@ def shared(e: Expr) -> Expr:
     `walk_distinct`, lowering) are memoised by object, so they cost what the body has in distinct
     objects, not in tree nodes. A Winograd F(4) input transform, a select chain over the 36 points of a
     6x6 tile whose branches read the tile's 36 padded values, made each read afresh: with the padding
-    inlined, 14 500 objects, 1 400 once shared. And the shape of a body must not depend on where it was made: the code
-    generator emits a shared node once per statement, so a task built in the flow and the same task
-    read back from JSON (a tree) on a worker gave different LLVM IR for some Winograd programs. Every
-    body comes from `compute` or from `dag_from_json`, and both share it here. What reads a body as a
-    tree (its text, the workload key, the kernel identity, the features, which count paths) is unchanged."""
+    inlined, 14 500 objects, 1 400 once shared. And the shape of a body must not depend on where it was
+    made: the code generator emits a shared node once per statement, so a task built in the flow and
+    the same task read back from JSON (a tree) on a worker gave different LLVM IR for some Winograd
+    programs. Every body comes from `compute` or from `dag_from_json`, and both share it here. What
+    reads a body as a tree (its text, the workload key, the kernel identity, the features, which count
+    paths) is unchanged."""
     return _shared(e, {}, {})
 
 

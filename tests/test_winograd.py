@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 
 from tensortune.codegen.llvm_backend import LLVMKernel, build
+from tensortune.codegen.llvm_codegen import generate_llvm_ir
+from tensortune.codegen.lower import lower
 from tensortune.codegen.target import make_task
 from tensortune.schedule.default_schedule import default_schedule
 from tensortune.schedule.state import State
@@ -31,6 +33,7 @@ from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tensortune.tasks import winograd
 from tensortune.tasks.models import resnet18, resnet50
 from tensortune.tasks.reference import evaluate
+from tensortune.tasks.search_task import SearchTask
 from tensortune.tasks.workload_registry import make_dag
 from tests.schedules import tiled_schedule
 
@@ -317,15 +320,11 @@ def test_default_vector_tiles_split_exactly_where_they_can():
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_a_task_read_back_from_json_compiles_to_the_same_code(layout):
-    """The flow builds its tasks, its measuring workers read them back from JSON, and the deployed
-    network is compiled from the flow's: the kernel timed must be the kernel run. The code generator
-    emits an expression object once per statement, so a body's sharing is part of the code; every body
-    is shared the same way wherever it comes from (`te.shared`). Before that, the default schedule of
-    an F(4) task gave the two different LLVM IR. The same IR for the default schedule and sampled programs."""
-    from tensortune.codegen.llvm_codegen import generate_llvm_ir
-    from tensortune.codegen.lower import lower
-    from tensortune.tasks.search_task import SearchTask
-
+    """The flow builds its tasks and compiles the deployed network from them, its measuring workers
+    read them back from JSON: the kernel timed must be the kernel run. The code generator emits an
+    expression object once per statement, so a body's sharing is part of the code; every body is shared
+    the same way wherever it comes from (`te.shared`). Before that, the default schedule of an F(4)
+    task gave the two different LLVM IR. The same IR for the default schedule and sampled programs."""
     task = make_task(make_dag("conv2d_winograd", 1, 14, 14, 16, 16, 1, 4, True, layout=layout))
     back = SearchTask.from_json(task.to_json())
     pol = SketchPolicy(task, params=SearchParams(), seed=0)
