@@ -92,9 +92,12 @@ def test_the_trained_model_steers_evolution(measurer):
     batch, scores = propose(policy, 16)
     assert scores is not None and len(batch) == 16
     assert scores == [float(x) for x in model.predict(task, batch)]     # the search's scores, read back
-    random_scores = model.predict(task, policy.sample(256))
+    random_scores = np.asarray(model.predict(task, policy.sample(256)))
     evolved = sorted(scores, reverse=True)[:12]          # the non-random (eps-greedy) part of the batch
-    assert np.median(evolved) > np.quantile(random_scores, 0.9)
+    # at least 90 % of random programs score no higher than the evolved median. (Not "the median above
+    # the 90th percentile": a model trained on 32 noisy timings can give its top score to a tenth of all
+    # programs, and then evolution's best tie with random's best; a fresh clone failed on such a tie.)
+    assert np.mean(random_scores <= np.median(evolved)) >= 0.9
 
 
 def _mlp():
