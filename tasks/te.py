@@ -545,24 +545,36 @@ def _shared(node: Expr, memo: dict[int, Expr], table: dict[tuple, Expr]) -> Expr
     out = memo.get(id(node))
     if out is not None:
         return out
-    if isinstance(node, Const):
-        key: tuple = (Const, node.dtype, repr(node.value))     # repr: -0.0 and 0.0 stay apart
-        out = table.setdefault(key, node)
-    elif isinstance(node, Var) or not children(node):
+    if isinstance(node, Var):
         out = node
+    elif isinstance(node, Const):
+        out = table.setdefault((Const, node.dtype, repr(node.value)), node)     # repr: -0.0 and 0.0 stay apart
     else:
         kids = children(node)
         new_kids = tuple(_shared(k, memo, table) for k in kids)
-        head = (node.op if isinstance(node, (BinOp, Cmp)) else node.name if isinstance(node, Call)
-                else node.tensor if isinstance(node, Load) else (node.combiner, node.axes) if isinstance(node, Reduce)
-                else None)
-        key = (type(node), node.dtype, head, tuple(id(k) for k in new_kids))
+        key = (type(node), node.dtype, _fields(node), tuple(id(k) for k in new_kids))
         out = table.get(key)
         if out is None:
             same = builtins.all(a is b for a, b in zip(kids, new_kids))
             out = table[key] = node if same else rebuild(node, new_kids, fold=False)
     memo[id(node)] = out
     return out
+
+
+def _fields(e: Expr) -> object:
+    """What, besides its type, dtype and children, makes a node what it is (`shared`'s key); a node of a
+    kind not known here is itself, so it is never merged with another."""
+    if isinstance(e, (BinOp, Cmp)):
+        return e.op
+    if isinstance(e, Call):
+        return e.name
+    if isinstance(e, Load):
+        return e.tensor
+    if isinstance(e, Reduce):
+        return e.combiner, e.axes
+    if isinstance(e, (Not, Select, Cast)):
+        return None
+    return e
 
 
 def transform(e: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
