@@ -7,7 +7,8 @@ templates of its own structures warm from call to call, and the calling process 
 Helpers get plain data (the task as JSON, and per part structure its key, one member's steps and part,
 and the numbers of all its members) and send back float32 features, which is what XGBoost reads anyway;
 the rows made here are float32 too, so a program's features are the same numbers whichever process made
-each part. A helper that dies costs nothing but time: its share is computed here.
+each part. A helper that dies costs nothing but time: its share is computed here. Only the parts not met
+before are evaluated at all (`part_rows.PartRows`: most of an evolved child's parts are its parent's).
 
 A Featurizer outlives cost-model versions (the flow loads a new model at every retrain), so its
 templates and helpers are made once per tuning run; the search samples on the same helpers
@@ -30,6 +31,7 @@ from tensortune.search.feature import FeatureExtractor
 from tensortune.search.feature_parts import Part
 from tensortune.search.helper_pool import HelperPool, run_shares
 from tensortune.search.memory import paused_gc
+from tensortune.search.part_rows import PartRows
 from tensortune.tasks.search_task import SearchTask
 
 # the packages whose code decides a program's features: the arrows (search -> schedule -> tasks) let
@@ -66,6 +68,7 @@ class Featurizer:
         self.helpers = helpers if helpers is not None else HelperPool(processes)
         self.min_batch = min_batch            # smaller calls are not worth a round trip
         self.extractors: dict[str, FeatureExtractor] = {}
+        self.part_rows = PartRows()           # every task's, keyed by workload key + part structure
 
     def extractor(self, task: SearchTask) -> FeatureExtractor:
         ex = self.extractors.get(task.workload_key)
@@ -74,26 +77,36 @@ class Featurizer:
         return ex
 
     def __call__(self, task: SearchTask, states: Sequence[Program]) -> list[np.ndarray]:
-        """One [n_stores, 164] float32 matrix per state (the same numbers whichever process made them)."""
+        """One [n_stores, 164] float32 matrix per state (the same numbers whichever process made them, and
+        whether made now or kept from an earlier call: `part_rows`)."""
         ex = self.extractor(task)
-        groups = list(ex.groups(states).items())
+        kept = self.part_rows
+        kept.trim()
+        groups = []            # (part structure, its members, their numbers, the numbers with no rows kept)
+        for key, members in ex.groups(states).items():
+            numbers = ex.numbers(states, members)
+            groups.append((key, members, numbers, kept.new_numbers(task.workload_key + key, numbers)))
         processes = self.helpers.processes
         ways = processes + 1 if processes and len(states) >= self.min_batch else 1
-        shares: list[list[tuple[str, list[tuple[int, Part]]]]] = [[] for _ in range(ways)]
-        for key, members in groups:
-            shares[zlib.crc32(key.encode()) % ways].append((key, members))
+        shares: list[list[tuple[str, list[tuple[int, Part]], np.ndarray]]] = [[] for _ in range(ways)]
+        for key, members, _, new in groups:
+            if len(new):
+                shares[zlib.crc32(key.encode()) % ways].append((key, members, new))
         task_json = task.to_json() if ways > 1 else ""
 
-        def job(share: list[tuple[str, list[tuple[int, Part]]]]) -> tuple:
+        def job(share: list[tuple[str, list[tuple[int, Part]], np.ndarray]]) -> tuple:
             return _extract, (task.workload_key, task_json,
-                              [(key, _steps_json(states[members[0][0]]), members[0][1], ex.numbers(states, members))
-                               for key, members in share])
+                              [(key, _steps_json(states[members[0][0]]), members[0][1], new)
+                               for key, members, new in share])
         blocks = run_shares(self.helpers, shares, lambda i: i - 1 if i and shares[i] else None, job,
-                            lambda share: [ex.evaluate_members(key, states, members) for key, members in share])
-        out, starts = ex.rows(states, np.float32)
+                            lambda share: [ex.evaluate(key, states[members[0][0]], members[0][1], new)
+                                           for key, members, new in share])
         for share, feats in zip(shares, blocks):
-            for (key, members), block in zip(share, feats):
-                ex.place(out, starts, members, block)
+            for (key, _, new), block in zip(share, feats):
+                kept.keep(task.workload_key + key, new, block)
+        out, starts = ex.rows(states, np.float32)
+        for key, members, numbers, _ in groups:
+            ex.place(out, starts, members, kept.block(task.workload_key + key, numbers))
         return ex.split(out, starts)
 
     def close(self) -> None:
