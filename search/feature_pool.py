@@ -82,31 +82,40 @@ class Featurizer:
         ex = self.extractor(task)
         kept = self.part_rows
         kept.trim()
-        groups = []            # (part structure, its members, their numbers, the numbers with no rows kept)
-        for key, members in ex.groups(states).items():
-            numbers = ex.numbers(states, members)
-            groups.append((key, members, numbers, kept.new_numbers(task.workload_key + key, numbers)))
+        groups = list(ex.groups(states).items())
         processes = self.helpers.processes
         ways = processes + 1 if processes and len(states) >= self.min_batch else 1
-        shares: list[list[tuple[str, list[tuple[int, Part]], np.ndarray]]] = [[] for _ in range(ways)]
-        for key, members, _, new in groups:
-            if len(new):
-                shares[zlib.crc32(key.encode()) % ways].append((key, members, new))
+        shares: list[list[tuple[str, list[tuple[int, Part]]]]] = [[] for _ in range(ways)]
+        for key, members in groups:
+            shares[zlib.crc32(key.encode()) % ways].append((key, members))
         task_json = task.to_json() if ways > 1 else ""
+        # each share's groups with their members' numbers and the numbers with no rows kept, looked up as
+        # the share is sent (a helper's) or computed (this process's, while the helpers work)
+        looked_up: dict[int, list[tuple[str, list[tuple[int, Part]], np.ndarray, np.ndarray]]] = {}
 
-        def job(share: list[tuple[str, list[tuple[int, Part]], np.ndarray]]) -> tuple:
+        def look_up(i: int) -> list[tuple[str, list[tuple[int, Part]], np.ndarray, np.ndarray]]:
+            if i not in looked_up:
+                looked_up[i] = []
+                for key, members in shares[i]:
+                    numbers = ex.numbers(states, members)
+                    looked_up[i].append((key, members, numbers, kept.new_numbers(task.workload_key + key, numbers)))
+            return looked_up[i]
+
+        def job(i: int) -> tuple:
             return _extract, (task.workload_key, task_json,
                               [(key, _steps_json(states[members[0][0]]), members[0][1], new)
-                               for key, members, new in share])
-        blocks = run_shares(self.helpers, shares, lambda i: i - 1 if i and shares[i] else None, job,
-                            lambda share: [ex.evaluate(key, states[members[0][0]], members[0][1], new)
-                                           for key, members, new in share])
-        for share, feats in zip(shares, blocks):
-            for (key, _, new), block in zip(share, feats):
-                kept.keep(task.workload_key + key, new, block)
+                               for key, members, _, new in look_up(i) if len(new)])
+
+        def here(i: int) -> list[np.ndarray]:
+            return [ex.evaluate(key, states[members[0][0]], members[0][1], new)
+                    for key, members, _, new in look_up(i) if len(new)]
+        blocks = run_shares(self.helpers, range(ways), lambda i: i - 1 if i and shares[i] else None, job, here)
         out, starts = ex.rows(states, np.float32)
-        for key, members, numbers, _ in groups:
-            ex.place(out, starts, members, kept.block(task.workload_key + key, numbers))
+        for i, made in enumerate(blocks):
+            for (key, _, _, new), block in zip([g for g in looked_up[i] if len(g[3])], made):
+                kept.keep(task.workload_key + key, new, block)
+            for key, members, numbers, _ in looked_up[i]:
+                ex.place(out, starts, members, kept.block(task.workload_key + key, numbers))
         return ex.split(out, starts)
 
     def close(self) -> None:
