@@ -61,6 +61,10 @@ def source_digest(root: Path, packages: Sequence[str]) -> str:
     return h.hexdigest()
 
 
+# a part structure among a call's programs: its key, its members, their numbers, those with no rows kept
+_LookedUp = tuple[str, list[tuple[int, Part]], np.ndarray, np.ndarray]
+
+
 class Featurizer:
     """One FeatureExtractor per task, and the helper processes they share."""
 
@@ -89,11 +93,12 @@ class Featurizer:
         for key, members in groups:
             shares[zlib.crc32(key.encode()) % ways].append((key, members))
         task_json = task.to_json() if ways > 1 else ""
-        # each share's groups with their members' numbers and the numbers with no rows kept, looked up as
-        # the share is sent (a helper's) or computed (this process's, while the helpers work)
-        looked_up: dict[int, list[tuple[str, list[tuple[int, Part]], np.ndarray, np.ndarray]]] = {}
+        # each share's groups with their members' numbers and the numbers with no rows kept (rows are kept
+        # per task: part keys name steps, not shapes), looked up as the share is sent (a helper's) or
+        # computed (this process's, while the helpers work)
+        looked_up: dict[int, list[_LookedUp]] = {}
 
-        def look_up(i: int) -> list[tuple[str, list[tuple[int, Part]], np.ndarray, np.ndarray]]:
+        def look_up(i: int) -> list[_LookedUp]:
             if i not in looked_up:
                 looked_up[i] = []
                 for key, members in shares[i]:
@@ -101,18 +106,21 @@ class Featurizer:
                     looked_up[i].append((key, members, numbers, kept.new_numbers(task.workload_key + key, numbers)))
             return looked_up[i]
 
+        def to_evaluate(i: int) -> list[_LookedUp]:
+            return [group for group in look_up(i) if len(group[3])]
+
         def job(i: int) -> tuple:
             return _extract, (task.workload_key, task_json,
                               [(key, _steps_json(states[members[0][0]]), members[0][1], new)
-                               for key, members, _, new in look_up(i) if len(new)])
+                               for key, members, _, new in to_evaluate(i)])
 
         def here(i: int) -> list[np.ndarray]:
             return [ex.evaluate(key, states[members[0][0]], members[0][1], new)
-                    for key, members, _, new in look_up(i) if len(new)]
+                    for key, members, _, new in to_evaluate(i)]
         blocks = run_shares(self.helpers, range(ways), lambda i: i - 1 if i and shares[i] else None, job, here)
         out, starts = ex.rows(states, np.float32)
         for i, made in enumerate(blocks):
-            for (key, _, _, new), block in zip([g for g in looked_up[i] if len(g[3])], made):
+            for (key, _, _, new), block in zip(to_evaluate(i), made):
                 kept.keep(task.workload_key + key, new, block)
             for key, members, numbers, _ in looked_up[i]:
                 ex.place(out, starts, members, kept.block(task.workload_key + key, numbers))
