@@ -1,7 +1,7 @@
 """Retraining the cost model from the stored history, as a step of its own (not inside every round).
 
 The record store is the single source of truth: a retrain reads the records of the network's tasks (with
-transfer, of every task of the target: see Trainer), trains the XGBoost pack-sum model, stores it as a new
+transfer, of every task of the target: see Trainer), trains the XGBoost model, stores it as a new
 version with its metrics (storage.models), and swaps it into `NewestModel`, the model every search round
 predicts with. `update()` of NewestModel does nothing on purpose: new measurements reach the model
 through the store at the next retrain. The trainer keeps the features of records it has already read, so
@@ -9,6 +9,7 @@ each retrain featurises only the records added since the last one.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -28,7 +29,11 @@ from tensortune.storage.records import RecordStore
 from tensortune.storage.tasks import TaskStore
 from tensortune.tasks.search_task import SearchTask
 
-MODEL_KIND = "xgb-packsum"
+log = logging.getLogger("tensortune.flows")
+
+# what the stored boosters read: one row a program (search.program_row); a booster of another kind
+# (the per-stage rows of "xgb-packsum", before 2026-11-29) reads other columns, so it is not loaded
+MODEL_KIND = "xgb-program"
 
 
 class NewestModel(CostModel):
@@ -74,7 +79,7 @@ class Trainer:
 
     transfer=False: the records of `tasks` only (the network being tuned). transfer=True (the flow's
     default): every stored record of the target, of any network and any night, so a task never tuned
-    before is ranked by a model that has seen the others (Ansor's one model for all tasks; its pack-sum
+    before is ranked by a model that has seen the others (Ansor's one model for all tasks; its
     features describe a program's buffer accesses, not which task it belongs to, and the throughputs are
     normalised per task). A record of a task outside `tasks` is rebuilt from the task stored beside the
     records (storage.tasks); one whose task was never stored (a store written before the task files) is
@@ -188,6 +193,10 @@ def load_newest(models: ModelStore, target: str, holder: NewestModel) -> str:
     if found is None:
         return ""
     blob, meta = found
+    if meta.get("kind") != MODEL_KIND:
+        log.info("the newest stored model for %s (%s) is of kind %r, not %r: not loaded; the next retrain "
+                 "trains one from the records", target, meta["version"], meta.get("kind"), MODEL_KIND)
+        return ""
     holder.use(XGBModel.load_bytes(blob, features=holder.features), meta["version"])
     return meta["version"]
 

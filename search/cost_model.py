@@ -1,12 +1,12 @@
-"""Cost models that rank candidate programs: XGBoost with Ansor's pack-sum objective, and a random one.
+"""Cost models that rank candidate programs: XGBoost over one row a program, and a random one.
 
-A program's score is the sum of the predictions for its statements (one feature row per stage). By
-default (objective "regression", Ansor's) the model learns throughput normalised to [0, 1] within each
-task, with squared error weighted by that throughput (good programs matter more); objective "rank"
-learns only the order, with RankNet's pairwise logistic loss on pairs of one task's programs (on the
-fixed matmul data of tests/test_cost_model.py: held-out pairwise accuracy 0.752 against 0.674, recall@10
-0.642 against 0.525, 12 folds). It is retrained from all data each time. Every training reports held-out
-pairwise accuracy and recall@k, so a user can see whether it learns anything.
+A program's score is the booster's prediction for its row: its main stage's features beside the sum of
+its other stages' (search.program_row; Ansor summed a prediction a stage instead, which cannot score a
+stage by what the others do). By default (objective "regression", Ansor's) the model learns throughput
+normalised to [0, 1] within each task, with squared error weighted by that throughput (good programs
+matter more); objective "rank" learns only the order, with RankNet's pairwise logistic loss on pairs of
+one task's programs. It is retrained from all data each time. Every training reports held-out pairwise
+accuracy and recall@k, so a user can see whether it learns anything.
 """
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from tensortune.schedule.program import Program
-from tensortune.search.feature_layout import N_FEATURES
 from tensortune.search.feature_pool import Featurizer
 from tensortune.search.helper_pool import HelperPool
+from tensortune.search.program_row import program_rows
 from tensortune.tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")
 
-# "regression": Ansor's pack-sum squared error on normalised throughput; "rank": pairwise (RankNet)
-# logistic loss on pack sums of programs of one task, which only asks for the order the search uses
+# "regression": Ansor's squared error on normalised throughput, weighted by it; "rank": pairwise (RankNet)
+# logistic loss on the scores of programs of one task, which only asks for the order the search uses
 OBJECTIVES = ("regression", "rank")
 
 # TVM's parameters, and 64 histogram bins a feature instead of XGBoost's 256: a network store's fit
@@ -102,10 +102,6 @@ def scaled_to_best(rows: Sequence[tuple[np.ndarray, float]]) -> list[tuple[np.nd
     """One task's (features, throughput) rows with throughputs divided by the task's best (0 if none ran)."""
     best = max((t for _, t in rows), default=0.0)
     return [(f, t / best if best > 0 else 0.0) for f, t in rows]
-
-
-def pack_sum(preds: np.ndarray, pack_ids: np.ndarray, n: int) -> np.ndarray:
-    return np.bincount(pack_ids, weights=preds, minlength=n)
 
 
 def pairwise_pairs(y: np.ndarray, groups: np.ndarray, partners: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -210,12 +206,6 @@ class XGBModel(CostModel):
 
     # ------------------------------------------------------------------ training
 
-    def _matrix(self, programs: list[tuple[np.ndarray, float]]):
-        feats = [f for f, _ in programs]
-        pack_ids = np.repeat(np.arange(len(feats), dtype=np.int64), [len(f) for f in feats])
-        x = np.concatenate(feats) if feats else np.zeros((0, N_FEATURES), np.float32)
-        return x, pack_ids
-
     def _normalised(self) -> dict[str, list[tuple[np.ndarray, float]]]:
         """Each task's throughputs divided by its best, so tasks of any size train one model."""
         return {key: scaled_to_best(rows) for key, rows in self.data.items()}
@@ -223,16 +213,13 @@ class XGBModel(CostModel):
     def _train(self, programs: list[tuple[np.ndarray, float]], groups: np.ndarray):
         """A booster on `programs` (features, normalised throughput); `groups[i]` is program i's task."""
         import xgboost as xgb
-        x, pack_ids = self._matrix(programs)
         y = np.array([t for _, t in programs], dtype=np.float64)
         n = len(programs)
-        row_y = y[pack_ids]
-        dtrain = xgb.DMatrix(x, label=row_y, weight=np.maximum(row_y, 1e-3))
+        dtrain = xgb.DMatrix(program_rows([f for f, _ in programs]), label=y, weight=np.maximum(y, 1e-3))
 
         def regression(preds, dmat):
-            """Ansor's: the squared error of the pack sum, weighted by the throughput."""
-            summed = pack_sum(preds, pack_ids, n)[pack_ids]
-            grad = (summed - row_y) * dmat.get_weight()
+            """Ansor's: the squared error of the score, weighted by the throughput."""
+            grad = (preds - y) * dmat.get_weight()
             return grad, dmat.get_weight().astype(np.float64)
 
         better, worse = pairwise_pairs(y, groups, self.partners, self.seed + self.trainings)
@@ -240,22 +227,20 @@ class XGBModel(CostModel):
 
         def rank(preds, dmat):
             """RankNet's logistic loss on pairs of one task's programs, log(1 + exp(-(s_better - s_worse))),
-            each pair weighted by its throughput gap; a row's gradient is its program's (pack sum)."""
-            summed = pack_sum(preds, pack_ids, n)
-            p = 1.0 / (1.0 + np.exp(np.clip(summed[better] - summed[worse], -30, 30)))   # sigmoid(-(s_b - s_w))
+            each pair weighted by its throughput gap."""
+            p = 1.0 / (1.0 + np.exp(np.clip(preds[better] - preds[worse], -30, 30)))   # sigmoid(-(s_b - s_w))
             grad = np.bincount(worse, p * gap, n) - np.bincount(better, p * gap, n)
             h = np.maximum(p * (1 - p), 1e-6) * gap
             hess = np.bincount(better, h, n) + np.bincount(worse, h, n)
-            return grad[pack_ids], np.maximum(hess, 1e-6)[pack_ids]
+            return grad, np.maximum(hess, 1e-6)
 
         objective = rank if self.objective == "rank" else regression
 
         def rmse(preds, dmat):
-            summed = pack_sum(preds, pack_ids, n)
             if self.objective == "rank":       # the pairs' mean loss: a ranker's scores have no scale
-                return "p-rank", float(np.mean(np.log1p(np.exp(-(summed[better] - summed[worse]))))) \
+                return "p-rank", float(np.mean(np.log1p(np.exp(-(preds[better] - preds[worse]))))) \
                     if len(better) else 0.0
-            return "p-rmse", float(np.sqrt(np.mean((summed - y) ** 2)))
+            return "p-rmse", float(np.sqrt(np.mean((preds - y) ** 2)))
 
         params = dict(XGB_PARAMS, seed=self.seed, base_score=0.0)
         booster = xgb.train(params, dtrain, num_boost_round=self.max_rounds, obj=objective,
@@ -267,11 +252,10 @@ class XGBModel(CostModel):
         """Scores of programs from their feature rows, one batch. The rows go to the booster as they
         are (inplace_predict, the same numbers as through a DMatrix): building a DMatrix of a search
         generation's ~6000 rows cost more than predicting them."""
-        x, pack_ids = self._matrix([(f, 0.0) for f in feats])
-        if not len(x):
-            return np.zeros(len(feats))
-        preds = booster.inplace_predict(x, iteration_range=(0, booster.best_iteration + 1))
-        return pack_sum(preds, pack_ids, len(feats))
+        if not feats:
+            return np.zeros(0)
+        x = program_rows(feats)
+        return booster.inplace_predict(x, iteration_range=(0, booster.best_iteration + 1)).astype(np.float64)
 
     def fit(self) -> TrainingMetrics | None:
         """Retrain from all data, after measuring how well the current booster ranks the programs

@@ -11,9 +11,9 @@ import pytest
 from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
 from tensortune.codegen.target import make_task
 from tensortune.codegen.timing import TimingConfig
-from tensortune.flows.retrain import NewestModel, Trainer, retrain
+from tensortune.flows.retrain import MODEL_KIND, NewestModel, Trainer, load_newest, retrain
 from tensortune.flows.tuning import tune_task
-from tensortune.search.sketch_policy import SearchParams
+from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tensortune.storage.layout import TASKS_DIR
 from tensortune.storage.models import ModelStore
 from tensortune.storage.records import RecordStore
@@ -69,6 +69,26 @@ def test_with_transfer_the_trainer_learns_from_every_task_of_the_target(tuned):
     report = retrain(both, store, ModelStore(root), NewestModel())
     assert report.trained and report.record_count == 2 * TRIALS
     assert both.read_new(store) == 0                               # nothing read twice
+
+
+def test_a_stored_model_of_another_kind_is_not_loaded(tuned, tmp_path):
+    """A booster stored before one row a program (kind "xgb-packsum", per-stage rows) reads other
+    columns: the flow's load leaves the search on its random model, and the next retrain stores one of
+    today's kind, which loads and ranks programs."""
+    _, store, _, mine = tuned
+    models = ModelStore(str(tmp_path / "models"))
+    trainer = Trainer([mine], mine.target, warmup=8)
+    trainer.read_new(store)
+    trainer.xgb.fit()
+    models.save(mine.target, trainer.xgb.save_bytes(), {}, record_count=TRIALS, kind="xgb-packsum")
+    holder = NewestModel()
+    assert load_newest(models, mine.target, holder) == "" and holder.version == "" and holder.is_random
+    report = retrain(trainer, store, models, holder)
+    assert report.trained and models.load_newest(mine.target)[1]["kind"] == MODEL_KIND
+    again = NewestModel()
+    assert load_newest(models, mine.target, again) == report.version and not again.is_random
+    scores = again.predict(mine, SketchPolicy(mine, seed=0).sample(16))
+    assert scores.shape == (16,) and len(set(scores.tolist())) > 1
 
 
 def test_records_of_a_task_never_stored_are_skipped_and_named(tuned, tmp_path):
