@@ -8,9 +8,9 @@ Zen 4 VM (three seeds, 2026-11-29) that left held-out pairwise accuracy at 0.773
 program, the main stage's 164 features and the sum of the other stages' 164, ordered the same held-out
 programs at 0.800-0.811 (the same folds, the same XGBoost; docs/performance.md, "One row a program").
 
-The main stage is the one with the most floating-point operations (the `ops` group's float fields, as
-featurised: log-scaled, so the order is the counts' order), the first of them on a tie: the conv or
-matmul, Winograd's batched product, a pool's reduction. It fills the first half on every task, so one
+The main stage is the one with the most floating-point operations (the `ops` group's float fields,
+their counts taken back out of the features' log scale and added), the first of them on a tie: the conv
+or matmul, Winograd's batched product, a pool's reduction. It fills the first half on every task, so one
 model serves all tasks as pack-sum's did; what the other stages do (packing copies, padding, epilogues,
 Winograd's transforms) is summed into the second half, as pack-sum summed them into the score.
 """
@@ -39,7 +39,7 @@ def program_rows(feats: Sequence[np.ndarray]) -> np.ndarray:
     n = counts[some]
     starts = np.concatenate(([0], np.cumsum(n)[:-1]))
     owner = np.repeat(np.arange(len(some)), n)
-    ops = x[:, _FLOAT_OPS].sum(axis=1)
+    ops = np.exp2(x[:, _FLOAT_OPS].astype(np.float64)).sum(axis=1)     # sum of 2**log2(1 + count): the counts' order
     top = ops == np.maximum.reduceat(ops, starts)[owner]
     candidates = np.flatnonzero(top)
     main = candidates[np.unique(owner[candidates], return_index=True)[1]]    # the first top row of each

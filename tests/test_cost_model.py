@@ -158,21 +158,28 @@ def test_ranking_pairs_stay_within_a_task_and_point_the_right_way():
 
 
 def test_a_program_row_is_its_main_stage_beside_the_sum_of_the_rest():
-    """The main stage is the one with the most float operations, the first on a tie; a program of one
-    stage has nothing beside it, one of no stage is all zeros. Checked against a loop over the programs."""
+    """The main stage is the one with the most float operations, counted back from the features' log
+    scale (1000 multiply-adds outnumber 100 adds and 100 multiplies, whose logs add up to more), the
+    first on a tie; a program of one stage has nothing beside it, one of no stage is all zeros. Checked
+    against a loop over the programs."""
     rng = np.random.default_rng(0)
-    feats = [rng.random((n, N_FEATURES), dtype=np.float32) for n in (3, 1, 5, 2)] + [np.zeros((0, N_FEATURES))]
+    feats = [rng.random((n, N_FEATURES), dtype=np.float32) for n in (3, 1, 5, 2, 2)] + [np.zeros((0, N_FEATURES))]
     ops = slice(OFFSET["ops"], OFFSET["ops"] + len(COLUMN["ops"]))
     feats[3][:, ops] = feats[3][0, ops]              # both rows count the same ops: a tie, the first is main
+    col = {f: OFFSET["ops"] + j for f, j in COLUMN["ops"].items()}
+    feats[4][:, ops] = 0.0
+    feats[4][1, col["float_mad"]] = np.log2(1001)
+    feats[4][0, col["float_addsub"]] = feats[4][0, col["float_mul"]] = np.log2(101)
     rows = program_rows(feats)
-    assert rows.shape == (5, PROGRAM_FEATURES) == (5, 2 * N_FEATURES)
-    floats = [OFFSET["ops"] + j for f, j in COLUMN["ops"].items() if f.startswith("float_")]
-    for f, row in zip(feats[:4], rows):
-        main = int(np.argmax(f[:, floats].sum(axis=1)))
+    assert rows.shape == (6, PROGRAM_FEATURES) == (6, 2 * N_FEATURES)
+    floats = [c for f, c in col.items() if f.startswith("float_")]
+    for f, row in zip(feats[:5], rows):
+        main = int(np.argmax((np.exp2(f[:, floats].astype(np.float64)) - 1).sum(axis=1)))
         np.testing.assert_array_equal(row[:N_FEATURES], f[main])
         np.testing.assert_allclose(row[N_FEATURES:], np.delete(f, main, axis=0).sum(axis=0), rtol=1e-6)
-    assert not rows[1, N_FEATURES:].any() and not rows[4].any()
+    assert not rows[1, N_FEATURES:].any() and not rows[5].any()
     np.testing.assert_array_equal(rows[3, :N_FEATURES], feats[3][0])
+    np.testing.assert_array_equal(rows[4, :N_FEATURES], feats[4][1])
 
 
 def test_ranking_metrics():
