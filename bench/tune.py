@@ -286,7 +286,7 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
     rows, curves = [], {}
     runs = [("xgb", 0.05, "xgb+crossover")]
     if args.ablate:
-        # same generations; the ranking objective against the default pack-sum regression (issue 19)
+        # same generations; the ranking objective against the default regression (issue 19)
         runs += [("random", 0.05, "random model"), ("xgb", 0.0, "no crossover"), ("xgb-rank", 0.05, "rank model")]
     if args.history:
         runs += [("transfer", 0.05, "transfer")]

@@ -86,11 +86,10 @@ class Featurizer:
         ex = self.extractor(task)
         kept = self.part_rows
         kept.trim()
-        groups = list(ex.groups(states).items())
         processes = self.helpers.processes
         ways = processes + 1 if processes and len(states) >= self.min_batch else 1
         shares: list[list[tuple[str, list[tuple[int, Part]]]]] = [[] for _ in range(ways)]
-        for key, members in groups:
+        for key, members in ex.groups(states).items():
             shares[zlib.crc32(key.encode()) % ways].append((key, members))
         task_json = task.to_json() if ways > 1 else ""
         # each share's groups with their members' numbers and the numbers with no rows kept (rows are kept
