@@ -31,9 +31,10 @@ from tensortune.tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.flows")
 
-# what the stored boosters read: one row a program (search.program_row); a booster of another kind
-# (the per-stage rows of "xgb-packsum", before 2026-11-29) reads other columns, so it is not loaded
-MODEL_KIND = "xgb-program"
+# what the stored boosters read: one row a program with its knobs (search.program_row); a booster of
+# another kind reads other columns, so it is not loaded: the per-stage rows of "xgb-packsum" (before
+# 2026-11-29), the program rows without knobs of "xgb-program" (2026-11-29)
+MODEL_KIND = "xgb-program-knobs"
 
 
 class NewestModel(CostModel):
@@ -130,7 +131,7 @@ class Trainer:
             # description out takes ~3 ms (0.1 s a retrain for ResNet-50's 36 with no new row)
             task_digest = ""
             order: list[Key] = []                      # the programs added, in record order
-            programs: list[Candidate | None] = []      # ... replayed where their features are not held
+            programs: list[Candidate] = []             # ... parsed, replayed only where their features are not held
             costs: list[float] = []
             for steps, latency, code in zip(rows["steps"], rows["mean_latency"], rows["error_code"]):
                 if (key, steps) in self.seen:
@@ -138,17 +139,15 @@ class Trainer:
                 self.seen.add((key, steps))
                 task_digest = task_digest or features.task_digest(task)
                 at = features.key(task_digest, steps)
-                program = None
-                if not features.holds(at):
-                    try:
-                        program = features.program(task, at, steps)
-                    except IllegalStep:
-                        continue             # written by an older rule set: kept in the store, skipped here
+                try:
+                    program = features.program(task, at, steps)      # the model reads its knobs
+                except IllegalStep:
+                    continue             # written by an older rule set: kept in the store, skipped here
                 order.append(at)
                 programs.append(program)
                 costs.append(float(latency) if code == 0 else math.inf)
             if order:
-                self.xgb.add_features(task, features.matrices(self.xgb, task, order, programs), costs)
+                self.xgb.add_features(task, features.matrices(self.xgb, task, order, programs), costs, programs)
                 added += len(order)
         features.done()
         return added

@@ -153,7 +153,7 @@ def resume_policy(policy: SketchPolicy, frame: pd.DataFrame, features: StoredFea
     policy.preload(*newer[:3])
     cands, costs, keys = older[0] + newer[0], older[1] + newer[1], older[3] + newer[3]
     if isinstance(policy.model, XGBModel):
-        policy.model.add_features(task, features.matrices(policy.model, task, keys, cands), costs)
+        policy.model.add_features(task, features.matrices(policy.model, task, keys, cands), costs, cands)
     else:
         policy.model.add(task, cands, costs)
     return len({c.key for c in cands})

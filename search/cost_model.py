@@ -1,12 +1,13 @@
 """Cost models that rank candidate programs: XGBoost over one row a program, and a random one.
 
 A program's score is the booster's prediction for its row: its main stage's features beside the sum of
-its other stages' (search.program_row; Ansor summed a prediction a stage instead, which cannot score a
-stage by what the others do). By default (objective "regression", Ansor's) the model learns throughput
-normalised to [0, 1] within each task, with squared error weighted by that throughput (good programs
-matter more); objective "rank" learns only the order, with RankNet's pairwise logistic loss on pairs of
-one task's programs. It is retrained from all data each time. Every training reports held-out pairwise
-accuracy and recall@k, so a user can see whether it learns anything.
+its other stages', and the schedule's own numbers (search.program_row, search.knobs; Ansor summed a
+prediction a stage instead, which cannot score a stage by what the others do). By default (objective
+"regression", Ansor's) the model learns throughput normalised to [0, 1] within each task, with squared
+error weighted by that throughput (good programs matter more); objective "rank" learns only the order,
+with RankNet's pairwise logistic loss on pairs of one task's programs. It is retrained from all data
+each time. Every training reports held-out pairwise accuracy and recall@k, so a user can see whether it
+learns anything.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import numpy as np
 from tensortune.schedule.program import Program
 from tensortune.search.feature_pool import Featurizer
 from tensortune.search.helper_pool import HelperPool
+from tensortune.search.knobs import knob_vector
 from tensortune.search.program_row import program_rows
 from tensortune.tasks.search_task import SearchTask
 
@@ -37,6 +39,10 @@ OBJECTIVES = ("regression", "rank")
 # tests' matmul data 0.679 / 0.751 against 0.674 / 0.752); the flow retrains every round
 XGB_PARAMS = {"max_depth": 10, "gamma": 0.001, "min_child_weight": 0, "eta": 0.2, "verbosity": 0,
               "disable_default_eval_metric": 1, "nthread": 2, "max_bin": 64}
+
+
+# what the model reads of a program: its feature matrix (a row per stage) and its knob vector (search.knobs)
+ProgramInput = tuple[np.ndarray, np.ndarray]
 
 
 class CostModel:
@@ -98,8 +104,8 @@ class TrainingMetrics:
         return dict(self.__dict__)
 
 
-def scaled_to_best(rows: Sequence[tuple[np.ndarray, float]]) -> list[tuple[np.ndarray, float]]:
-    """One task's (features, throughput) rows with throughputs divided by the task's best (0 if none ran)."""
+def scaled_to_best(rows: Sequence[tuple[ProgramInput, float]]) -> list[tuple[ProgramInput, float]]:
+    """One task's (program, throughput) rows with throughputs divided by the task's best (0 if none ran)."""
     best = max((t for _, t in rows), default=0.0)
     return [(f, t / best if best > 0 else 0.0) for f, t in rows]
 
@@ -171,7 +177,7 @@ class XGBModel(CostModel):
         self.early_stopping = early_stopping
         self.booster: Any = None             # an xgboost.Booster once trained
         self.features = features or Featurizer()    # pass one in to share templates across versions
-        self.data: dict[str, list[tuple[np.ndarray, float]]] = {}   # workload key -> [(features, throughput)]
+        self.data: dict[str, list[tuple[ProgramInput, float]]] = {}  # workload key -> [(program, throughput)]
         self.unseen: dict[str, int] = {}    # workload key -> rows added since the booster was trained
         self.trainings = 0                  # fits so far; `version` is its text
         self._fallback = RandomModel(seed)
@@ -183,14 +189,16 @@ class XGBModel(CostModel):
     # ------------------------------------------------------------------ data
 
     def add(self, task: SearchTask, states: Sequence[Program], costs: Sequence[float]) -> None:
-        self.add_features(task, self.features(task, states), costs)
+        self.add_features(task, self.features(task, states), costs, states)
 
-    def add_features(self, task: SearchTask, feats: Sequence[np.ndarray], costs: Sequence[float]) -> None:
-        """`add` for programs whose features are known already (stored: storage.feature_cache)."""
+    def add_features(self, task: SearchTask, feats: Sequence[np.ndarray], costs: Sequence[float],
+                     programs: Sequence[Program]) -> None:
+        """`add` for programs whose features are known already (stored: storage.feature_cache); the
+        programs give their knobs (parsed steps are enough: nothing is replayed)."""
         rows = self.data.setdefault(task.workload_key, [])
-        for f, c in zip(feats, costs):
+        for f, c, p in zip(feats, costs, programs, strict=True):
             thr = task.flops / c if c and math.isfinite(c) and c > 0 else 0.0
-            rows.append((f.astype(np.float32), thr))
+            rows.append(((f.astype(np.float32), knob_vector(p.steps)), thr))
         self.unseen[task.workload_key] = self.unseen.get(task.workload_key, 0) + len(feats)
 
     def update(self, task, states, costs) -> None:
@@ -206,16 +214,19 @@ class XGBModel(CostModel):
 
     # ------------------------------------------------------------------ training
 
-    def _normalised(self) -> dict[str, list[tuple[np.ndarray, float]]]:
+    def _normalised(self) -> dict[str, list[tuple[ProgramInput, float]]]:
         """Each task's throughputs divided by its best, so tasks of any size train one model."""
         return {key: scaled_to_best(rows) for key, rows in self.data.items()}
 
-    def _train(self, programs: list[tuple[np.ndarray, float]], groups: np.ndarray):
-        """A booster on `programs` (features, normalised throughput); `groups[i]` is program i's task."""
+    def _train(self, programs: list[tuple[ProgramInput, float]], groups: np.ndarray, x: np.ndarray | None = None):
+        """A booster on `programs` (program, normalised throughput); `groups[i]` is program i's task; `x`
+        their program rows where the caller has them already (fit scores the same rows afterwards)."""
         import xgboost as xgb
         y = np.array([t for _, t in programs], dtype=np.float64)
         n = len(programs)
-        dtrain = xgb.DMatrix(program_rows([f for f, _ in programs]), label=y, weight=np.maximum(y, 1e-3))
+        if x is None:
+            x = _rows([p for p, _ in programs])
+        dtrain = xgb.DMatrix(x, label=y, weight=np.maximum(y, 1e-3))
 
         def regression(preds, dmat):
             """Ansor's: the squared error of the score, weighted by the throughput."""
@@ -248,14 +259,13 @@ class XGBModel(CostModel):
                             early_stopping_rounds=self.early_stopping, verbose_eval=False)
         return booster
 
-    def _predict_rows(self, booster, feats: list[np.ndarray]) -> np.ndarray:
-        """Scores of programs from their feature rows, one batch. The rows go to the booster as they
-        are (inplace_predict, the same numbers as through a DMatrix): building a DMatrix of a search
+    def _predict_rows(self, booster, programs: list[ProgramInput]) -> np.ndarray:
+        """Scores of programs from their features and knobs, one batch. The rows go to the booster as
+        they are (inplace_predict, the same numbers as through a DMatrix): building a DMatrix of a search
         generation's ~6000 rows cost more than predicting them."""
-        if not feats:
+        if not programs:
             return np.zeros(0)
-        x = program_rows(feats)
-        return booster.inplace_predict(x, iteration_range=(0, booster.best_iteration + 1)).astype(np.float64)
+        return _scores(booster, _rows(programs))
 
     def fit(self) -> TrainingMetrics | None:
         """Retrain from all data, after measuring how well the current booster ranks the programs
@@ -283,9 +293,10 @@ class XGBModel(CostModel):
                 self._rank(self._train(train, np.array(train_groups)), held, acc, rec)
         all_rows = [r for rows in data.values() for r in rows]
         groups = np.concatenate([np.full(len(rows), g) for g, rows in enumerate(data.values())])
-        self.booster = self._train(all_rows, groups)
+        x = _rows([p for p, _ in all_rows])
+        self.booster = self._train(all_rows, groups, x)
         self.unseen = {}
-        pred = self._predict_rows(self.booster, [f for f, _ in all_rows])
+        pred = _scores(self.booster, x)
         true = np.array([t for _, t in all_rows])
         self.trainings += 1
         self.version = str(self.trainings)
@@ -297,11 +308,11 @@ class XGBModel(CostModel):
                  self.metrics.pairwise_accuracy, self.k, self.metrics.recall_at_k)
         return self.metrics
 
-    def cross_validate(self, rows: Sequence[tuple[np.ndarray, float]], folds: int = 4,
+    def cross_validate(self, rows: Sequence[tuple[ProgramInput, float]], folds: int = 4,
                        shuffles: int = 3) -> tuple[float, float]:
         """(pairwise accuracy, recall@k) of this model's objective on one task's programs held out:
         `folds`-fold cross-validation over `shuffles` shuffles (seeded by `self.seed`), each fold's
-        booster trained on the others' rows (features, throughput) as `fit` trains, every pair of held-out
+        booster trained on the others' rows (program, throughput) as `fit` trains, every pair of held-out
         programs scored. Unlike `fit`'s figure (the last booster on the programs the search then chose by
         it, which all look good to it), this asks how well the model orders a task's whole history, the
         same split for every objective: what the objectives and features are compared on (issue 19).
@@ -320,12 +331,12 @@ class XGBModel(CostModel):
                 self._rank(booster, {"held": [rows[i] for i in sorted(held)]}, acc, rec)
         return _mean_of_finite(acc), _mean_of_finite(rec)
 
-    def _rank(self, booster, held: dict[str, list[tuple[np.ndarray, float]]], acc: list, rec: list) -> None:
+    def _rank(self, booster, held: dict[str, list[tuple[ProgramInput, float]]], acc: list, rec: list) -> None:
         """Pairwise accuracy and recall@k of the booster on each task's held-out programs."""
         for rows in held.values():
             if len(rows) < 2:
                 continue
-            pred = self._predict_rows(booster, [f for f, _ in rows])
+            pred = self._predict_rows(booster, [p for p, _ in rows])
             true = np.array([t for _, t in rows])
             acc.append(pairwise_accuracy(pred, true))
             rec.append(recall_at_k(pred, true, self.k))
@@ -335,10 +346,8 @@ class XGBModel(CostModel):
     def predict(self, task, states):
         if self.booster is None or self.n_programs < self.num_warmup_sample:
             return self._fallback.predict(task, states)
-        return self.predict_features(self.features(task, states))
-
-    def predict_features(self, feats: list[np.ndarray]) -> np.ndarray:
-        return self._predict_rows(self.booster, feats)
+        return self._predict_rows(self.booster, list(zip(self.features(task, states),
+                                                         [knob_vector(p.steps) for p in states])))
 
     @property
     def is_random(self) -> bool:
@@ -371,6 +380,16 @@ class XGBModel(CostModel):
         if meta.get("metrics"):
             model.metrics = TrainingMetrics(**meta["metrics"])
         return model
+
+
+def _rows(programs: Sequence[ProgramInput]) -> np.ndarray:
+    """The booster's input: one row a program (search.program_row)."""
+    return program_rows([f for f, _ in programs], np.stack([k for _, k in programs]))
+
+
+def _scores(booster, x: np.ndarray) -> np.ndarray:
+    """The booster's scores of program rows `x`, by the trees up to its best iteration."""
+    return booster.inplace_predict(x, iteration_range=(0, booster.best_iteration + 1)).astype(np.float64)
 
 
 def _mean_of_finite(values: list[float]) -> float:

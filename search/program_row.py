@@ -1,4 +1,5 @@
-"""What the cost model sees of a program: one row, its main stage's features beside the sum of the rest.
+"""What the cost model sees of a program: one row, its main stage's features beside the sum of the rest,
+and the schedule's own numbers (search.knobs).
 
 Ansor scores a program as the sum of per-stage scores (pack-sum: one feature row a stage, each stage's
 prediction added). A stage's worth then cannot depend on the other stages: a conv's register tile is
@@ -21,16 +22,19 @@ from typing import Sequence
 import numpy as np
 
 from tensortune.search.feature_layout import N_FEATURES, OFFSET, OP_FIELDS
+from tensortune.search.knobs import KNOBS
 
-PROGRAM_FEATURES = 2 * N_FEATURES
+PROGRAM_FEATURES = 2 * N_FEATURES + KNOBS
 _FLOAT_OPS = np.array([OFFSET["ops"] + i for i, f in enumerate(OP_FIELDS) if f.startswith("float_")])
 
 
-def program_rows(feats: Sequence[np.ndarray]) -> np.ndarray:
+def program_rows(feats: Sequence[np.ndarray], knobs: np.ndarray) -> np.ndarray:
     """[programs, PROGRAM_FEATURES]: for each program's feature matrix (a row per stage), its main stage's
-    row and the sum of its other rows; a program without rows gets zeros. Vectorised over the batch (a
-    search generation scores thousands of programs a call)."""
+    row and the sum of its other rows (zeros for a program without rows), then its knob vector (`knobs`
+    [programs, KNOBS], search.knobs). Vectorised over the batch (a search generation scores thousands of
+    programs a call)."""
     out = np.zeros((len(feats), PROGRAM_FEATURES), np.float32)
+    out[:, 2 * N_FEATURES:] = knobs
     counts = np.array([len(f) for f in feats], dtype=np.int64)
     some = np.flatnonzero(counts)
     if not len(some):
@@ -46,5 +50,5 @@ def program_rows(feats: Sequence[np.ndarray]) -> np.ndarray:
     rest = x.copy()
     rest[main] = 0.0
     out[some, :N_FEATURES] = x[main]
-    out[some, N_FEATURES:] = np.add.reduceat(rest, starts, axis=0)
+    out[some, N_FEATURES:2 * N_FEATURES] = np.add.reduceat(rest, starts, axis=0)
     return out

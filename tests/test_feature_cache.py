@@ -64,8 +64,8 @@ def same_data(a: Trainer | XGBModel, b: Trainer | XGBModel) -> bool:
     x, y = (m.xgb if isinstance(m, Trainer) else m for m in (a, b))
     return list(x.data) == list(y.data) and all(
         len(x.data[k]) == len(y.data[k])
-        and all(np.array_equal(fa, fb) and fa.dtype == fb.dtype and ta == tb
-                for (fa, ta), (fb, tb) in zip(x.data[k], y.data[k]))
+        and all(np.array_equal(fa, fb) and fa.dtype == fb.dtype and np.array_equal(ka, kb) and ta == tb
+                for ((fa, ka), ta), ((fb, kb), tb) in zip(x.data[k], y.data[k]))
         for k in x.data)
 
 
