@@ -2,11 +2,11 @@
 
 Ansor's features describe the loop nest a program lowers to (loop extents, strides, reuse, arithmetic
 per buffer access), log-scaled and summed per stage. A search's late rounds measure hundreds of programs
-within a few percent of each other (on the Zen 4 VM's 512-trial conv histories, a third to a half of
-all pairs lie within 5 %, and a second timing orders 72-79 % of those pairs alike), and there the
-features tell too little apart: the model ordered such pairs at 0.52-0.68. Beside the features, the
-numbers that made the program (each split's factors, each compute-at position, each unroll depth)
-lifted held-out pairwise accuracy on all twelve stored 512-trial histories (conv 0.721-0.811 to
+within a few percent of each other (on the Zen 4 VM's 512-trial conv histories, a fifth to a half of all
+pairs lie within 5 %, and a second timing orders 72-79 % of those pairs alike), and there the features
+tell too little apart: the model ordered such pairs at 0.52-0.69. Beside the features, the numbers that
+made the program (each split's factors, each compute-at position, each unroll depth) lifted held-out
+pairwise accuracy on stored 512-trial histories (up or even in twelve of twelve: conv 0.721-0.811 to
 0.734-0.823, matmul 0.792-0.854 to 0.816-0.859) and left a network's small tasks where they were
 (docs/performance.md, "The schedule's numbers beside the features").
 
