@@ -33,8 +33,9 @@ log = logging.getLogger("tensortune.flows")
 
 # what the stored boosters read: one row a program with its knobs (search.program_row); a booster of
 # another kind reads other columns, so it is not loaded: the per-stage rows of "xgb-packsum" (before
-# 2026-11-29), the program rows without knobs of "xgb-program" (2026-11-29)
-MODEL_KIND = "xgb-program-knobs"
+# 2026-11-29), the program rows without knobs of "xgb-program" and those without tiles of "xgb-program-knobs"
+# (both 2026-11-29)
+MODEL_KIND = "xgb-program-knobs-tiles"
 
 
 class NewestModel(CostModel):
