@@ -92,17 +92,20 @@ class Featurizer:
         for key, members in ex.groups(states).items():
             shares[zlib.crc32(key.encode()) % ways].append((key, members))
         task_json = task.to_json() if ways > 1 else ""
-        # each share's groups with their members' numbers and the numbers with no rows kept (rows are kept
-        # per task: part keys name steps, not shapes), looked up as the share is sent (a helper's) or
-        # computed (this process's, while the helpers work)
+        # each share's groups with their members' numbers and the numbers with no rows kept, looked up as
+        # the share is sent (a helper's) or computed (this process's, while the helpers work)
         looked_up: dict[int, list[_LookedUp]] = {}
+
+        def kept_as(key: str) -> str:
+            """Rows are kept per task: part keys name steps, not shapes."""
+            return task.workload_key + key
 
         def look_up(i: int) -> list[_LookedUp]:
             if i not in looked_up:
                 looked_up[i] = []
                 for key, members in shares[i]:
                     numbers = ex.numbers(states, members)
-                    looked_up[i].append((key, members, numbers, kept.new_numbers(task.workload_key + key, numbers)))
+                    looked_up[i].append((key, members, numbers, kept.new_numbers(kept_as(key), numbers)))
             return looked_up[i]
 
         def to_evaluate(i: int) -> list[_LookedUp]:
@@ -120,9 +123,9 @@ class Featurizer:
         out, starts = ex.rows(states, np.float32)
         for i, made in enumerate(blocks):
             for (key, _, _, new), block in zip(to_evaluate(i), made):
-                kept.keep(task.workload_key + key, new, block)
+                kept.keep(kept_as(key), new, block)
             for key, members, numbers, _ in looked_up[i]:
-                ex.place(out, starts, members, kept.block(task.workload_key + key, numbers))
+                ex.place(out, starts, members, kept.block(kept_as(key), numbers))
         return ex.split(out, starts)
 
     def close(self) -> None:
