@@ -15,8 +15,8 @@ Positions mean the same thing across the programs of one sketch (their steps dif
 which is where the model needs them; across sketches and tasks they do not, and the features say which
 sketch and task a row is, so the trees can split on those first.
 
-A tile's size is a product of factors (a register tile is the innermost factor of every spatial split,
-multiplied), which trees can only approximate by splitting on each factor in turn. So the vector also
+A tile's size is a product of factors (a matmul's register tile is the innermost factors of its two
+spatial splits multiplied), which trees can only approximate by splitting on each factor in turn. So the vector also
 holds each split's tile at each level (the log2 of its factors multiplied from the innermost outward)
 and, per level from the innermost, the sum over every split (the log2 of the tile's volume at that
 level, and at that level and all inside it). On the same twelve histories that lifted held-out accuracy
@@ -45,7 +45,7 @@ from tensortune.schedule.steps import (
 
 # numbers a program keeps in step order, the rest dropped: a conv's sketches have 30, a matmul's 17
 STEP_NUMBERS = 64
-# each split's tiles, innermost outward, in split order: a conv's sketches have 22, a matmul's 7
+# each split's tiles, innermost outward, in split order: a conv's sketches have 15, a matmul's 7
 SPLIT_TILES = 32
 # loop levels, from the innermost, whose tiles are multiplied over every split
 LEVELS = 4
