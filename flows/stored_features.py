@@ -64,15 +64,12 @@ class StoredFeatures:
         return Candidate.of(State.from_json(task.dag, steps))
 
     def matrices(self, model: XGBModel, task: SearchTask, keys: Sequence[Key],
-                 programs: Sequence[Candidate | None]) -> list[np.ndarray]:
-        """The features of each program (keys[i] names programs[i], which is needed only where they are
-        not held): held ones as they are, the others computed by `model`'s featurizer, once a key."""
+                 programs: Sequence[Candidate]) -> list[np.ndarray]:
+        """The features of each program (keys[i] names programs[i]): held ones as they are, the others
+        computed by `model`'s featurizer, once a key."""
         todo = {k: programs[i] for i, k in enumerate(keys) if not self.holds(k)}
         if todo:
-            made = model.features(task, [p for p in todo.values() if p is not None])
-            if len(made) != len(todo):
-                raise ValueError("a program whose features are not held was not given")
-            self.computed.update(zip(todo, made))
+            self.computed.update(zip(todo, model.features(task, list(todo.values()))))
         return [self.known[k] if k in self.known else self.computed[k] for k in keys]
 
     def done(self) -> None:
