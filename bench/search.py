@@ -19,6 +19,7 @@ import statistics
 import sys
 
 from bench.common import environment, llvm_target, print_table, write_json
+from tensortune.search.cost_model import DEFAULT_MODEL, MODEL_OBJECTIVES
 from tensortune.tasks.winograd import parse_tiles
 
 # the parts of a proposal a row gives (fields of the policy's RoundTiming)
@@ -39,6 +40,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--population", type=int, default=2048, help="search population (TVM: 2048)")
     ap.add_argument("--passes", type=int, default=3, help="fresh tuners, each proposing once per task")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODEL_OBJECTIVES),
+                    help="the cost model the tuners train on the store and score with")
     ap.add_argument("--json", help="write the environment and the rows to this JSON file")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.records):
@@ -67,8 +70,8 @@ def main(argv: list[str]) -> int:
     phases: dict[str, list[list[float]]] = {name: [[] for _ in tasks] for name in PHASES}
     digests, sizes, history = [], [0] * len(tasks), 0
     for p in range(args.passes):
-        tuner = NetworkTuner(tasks, args.trials, None, params=params, records=RecordStore(args.records),
-                             seed=args.seed)
+        tuner = NetworkTuner(tasks, args.trials, None, model=args.model, params=params,
+                             records=RecordStore(args.records), seed=args.seed)
         try:
             history = sum(tuner.history)
             digest = hashlib.sha256()
@@ -100,6 +103,6 @@ def main(argv: list[str]) -> int:
     print("of the tasks' median seconds: " + ", ".join(f"{name} {sum(r[name] for r in rows):.2f} s" for name in PHASES)
           + f" of {sum(r['search_s'] for r in rows):.2f} s")
     write_json(args.json, rows, env, benchmark="search", network=args.network, image_size=args.image_size,
-               winograd=list(args.winograd),
+               winograd=list(args.winograd), model=args.model,
                records=os.path.abspath(args.records), stored_programs=history, totals_s=totals, digests=digests)
     return 0

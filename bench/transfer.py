@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from bench.common import Stopwatch, environment, llvm_target, print_table, write_json
 from bench.network import take_turns, trials_to_reach
+from tensortune.search.cost_model import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from tensortune.codegen.measure import Measurer
@@ -140,7 +141,7 @@ def main(argv: list[str]) -> int:
           f"({train_watch.seconds:.0f} s); held-out pairwise accuracy {accuracy:.3f}"
           + (f"; {len(unknown)} task(s) without a stored description skipped" if unknown else ""), flush=True)
     home = tempfile.mkdtemp(prefix="tensortune-bench-transfer-")
-    runs = {"cold": "xgb", "transfer": model}
+    runs = {"cold": DEFAULT_MODEL, "transfer": model}
     stores = {label: RecordStore(os.path.join(home, label)) for label in runs}
     stores["transfer"].append([record for records in shared.values() for record in records])
     names = {t.workload_key: t.label for t in tasks}

@@ -39,7 +39,16 @@ from bench.common import (
 )
 from bench.transfer import history_model
 from tensortune.codegen.confirmation import CONFIRM_TIMINGS
-from tensortune.search.cost_model import MIN_FIT_PROGRAMS, WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
+from tensortune.search.cost_model import (
+    DEFAULT_MODEL,
+    MIN_FIT_PROGRAMS,
+    MODEL_OBJECTIVES,
+    OBJECTIVES,
+    WARMUP_PROGRAMS,
+    CostModel,
+    RandomModel,
+    XGBModel,
+)
 from tensortune.search.sketch_policy import SearchParams
 
 WORKLOADS = {
@@ -110,7 +119,7 @@ def workload_task(key: str, threads: int):
 def run_one(key: str, trials: int, model, crossover: float, measurer, seed: int, per_round: int,
             overrides: dict | None = None, threads: int = 2, warmup: int = WARMUP_PROGRAMS,
             confirm: int = CONFIRM_TIMINGS):
-    """model: "xgb", "xgb-rank", "random" or a model instance (the transfer row's, trained on history);
+    """model: "xgb", "xgb-rank", "xgb-blend", "random" or a model instance (the transfer row's, trained on history);
     warmup: the programs a fresh model waits for before its scores are used (XGBModel.num_warmup_sample);
     confirm: timings added to a would-be best before it counts (codegen.confirmation)."""
     from tensortune.flows.tuning import make_model, tune_task
@@ -141,7 +150,7 @@ def history_ranking(cost_model, task, seed: int) -> dict:
         return {}
     rows = cost_model.data.get(task.workload_key, [])
     out = {}
-    for objective in ("regression", "rank"):
+    for objective in OBJECTIVES:
         acc, recall = XGBModel(seed=seed, objective=objective).cross_validate(rows)
         out[f"history_pairwise_accuracy_{objective}"] = acc
         out[f"history_recall_at_10_{objective}"] = recall
@@ -284,10 +293,11 @@ def tune_and_retime(args, peak: float) -> tuple[list[dict], dict]:
     from tensortune.codegen.measure import LocalBuilder, LocalRunner, ProgramMeasurer
     overrides = param_overrides(args.param)
     rows, curves = [], {}
-    runs = [("xgb", 0.05, "xgb+crossover")]
+    runs = [(args.model, 0.05, f"{args.model}+crossover")]
     if args.ablate:
-        # same generations; the ranking objective against the default regression (issue 19)
-        runs += [("random", 0.05, "random model"), ("xgb", 0.0, "no crossover"), ("xgb-rank", 0.05, "rank model")]
+        # same generations; the blend's two objectives alone beside it (issue 19)
+        runs += [("random", 0.05, "random model"), (args.model, 0.0, "no crossover"),
+                 ("xgb", 0.05, "regression model"), ("xgb-rank", 0.05, "rank model")]
     if args.history:
         runs += [("transfer", 0.05, "transfer")]
     for key in args.workloads.split(","):
@@ -330,12 +340,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--trials", type=int, default=1000)
     ap.add_argument("--json", help="write the environment and the rows to this JSON file")
     ap.add_argument("--ablate", action="store_true",
-                    help="also run the random model, no crossover and the ranking objective")
+                    help="also run the random model, no crossover, and the regression and ranking objectives alone")
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     ap.add_argument("--threads", type=int, default=2, help="threads of every side (ours, BLAS, PyTorch)")
     ap.add_argument("--pairs", type=int, default=PAIRS, help="timing pairs (alternating order)")
     ap.add_argument("--per-round", type=int, default=64)
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODEL_OBJECTIVES),
+                    help="the cost model of the main run (the ablations keep theirs)")
     ap.add_argument("--warmup", type=int, default=WARMUP_PROGRAMS,
                     help="programs a fresh cost model waits for before its scores are used (TVM: 100)")
     ap.add_argument("--plot", default="bench/out/tune_curve.png", help="best-so-far curve (PNG); \"\" for none")
@@ -381,7 +393,8 @@ def main(argv: list[str]) -> int:
     print(f"threads used: {env['threads_used']}")
     print_table(rows, ["workload", "run", "ms", "gflops", "vs", "numpy_ms", "torch_ms", "ratio", "ratio_pairwise",
                        "pairs_ok", "peak_frac", "trials", "search_s", "measure_s", "median_search_s_per_round",
-                       "history_pairwise_accuracy_regression", "history_pairwise_accuracy_rank"])
+                       "history_pairwise_accuracy_regression", "history_pairwise_accuracy_rank",
+                       "history_pairwise_accuracy_blend"])
     print("ratio = median library ms / median ms over the pairs (recomputable from the ms columns); "
           "ratio_pairwise = the median of the per-pair ratios")
     write_json(args.json, rows, env, benchmark="tune")

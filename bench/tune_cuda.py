@@ -33,6 +33,7 @@ from bench.common import (
     print_table,
     write_json,
 )
+from tensortune.search.cost_model import DEFAULT_MODEL, MODEL_OBJECTIVES
 from tensortune.tasks import winograd
 
 MATMUL = ("matmul", (4096, 4096, 4096))
@@ -260,7 +261,7 @@ def main(argv: list[str]) -> int:
                     help="matmul, resnet50, r50:i[-j], r50w4:i[-j] or r50w2:i[-j] (Winograd F(4x4) / F(2x2) of the "
                          "3x3 stride-1 convs among them), comma-separated")
     ap.add_argument("--per-round", type=int, default=64)
-    ap.add_argument("--model", default="xgb")
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=[*MODEL_OBJECTIVES, "random"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-gflop", type=float, default=1000.0,
                     help="check candidates against the NumPy reference while tuning tasks up to this size")

@@ -26,7 +26,7 @@ FAILED = 1
 # a run of a million measurements takes weeks on one node; more is a typo (an extra zero or two)
 MAX_TRIALS = 1_000_000
 CLUSTER_CONNECT_SECONDS = 3.0
-MODELS = ("xgb", "xgb-rank", "random")
+MODELS = ("xgb-blend", "xgb", "xgb-rank", "random")
 
 
 def fail(message: str, code: int = FAILED) -> NoReturn:

@@ -20,7 +20,14 @@ from tensortune.flows.stored_features import StoredFeatures
 from tensortune.schedule.program import Program
 from tensortune.schedule.stage import IllegalStep
 from tensortune.search.candidate import Candidate
-from tensortune.search.cost_model import MIN_FIT_PROGRAMS, WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
+from tensortune.search.cost_model import (
+    DEFAULT_OBJECTIVE,
+    MIN_FIT_PROGRAMS,
+    WARMUP_PROGRAMS,
+    CostModel,
+    RandomModel,
+    XGBModel,
+)
 from tensortune.search.feature_pool import Featurizer
 from tensortune.search.helper_pool import HelperPool
 from tensortune.storage.feature_cache import Key
@@ -88,7 +95,7 @@ class Trainer:
     skipped and counted in `unknown`."""
 
     def __init__(self, tasks: Sequence[SearchTask], target: str, warmup: int = WARMUP_PROGRAMS, seed: int = 0,
-                 features: Featurizer | None = None, transfer: bool = False, objective: str = "regression",
+                 features: Featurizer | None = None, transfer: bool = False, objective: str = DEFAULT_OBJECTIVE,
                  cache_features: bool = True):
         self.tasks = {t.workload_key: t for t in tasks}
         self.target, self.warmup, self.transfer = target, warmup, transfer
@@ -172,7 +179,7 @@ class HistoryModel:
 
 
 def history_model(stores: Sequence[RecordStore], tasks: Sequence[SearchTask], seed: int = 0,
-                  exclude: Sequence[str] = (), objective: str = "regression") -> HistoryModel:
+                  exclude: Sequence[str] = (), objective: str = DEFAULT_OBJECTIVE) -> HistoryModel:
     """An XGBModel trained on every record of the tasks' target in `stores` (every network, every night),
     leaving out the workload keys in `exclude`: a search that resumes its own task's history feeds those
     records to the model itself (flows.tuning.resume_policy), and a benchmark that asks what other tasks'

@@ -100,11 +100,12 @@ def transfer_model(store: RecordStore | None, task: SearchTask, model: str, seed
     drawn at random; the task's own records reach it through the resumed history. Without a store, or
     other records, or for the random model: the model by name."""
     from tensortune.flows.retrain import history_model
+    from tensortune.search.cost_model import MODEL_OBJECTIVES
     if store is None or model == "random":
         return model
     with console.status("training the cost model on the store's other tasks"):
         found = history_model([store], [task], seed, exclude=[task.workload_key],
-                              objective="rank" if model == "xgb-rank" else "regression")
+                              objective=MODEL_OBJECTIVES[model])
     if found.model.booster is None:
         return model
     console.print(f"cost model: trained on {found.programs} programs of {found.tasks} other task(s) in the store")
@@ -117,8 +118,8 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
             trials: int = typer.Option(200, help="programs to measure"),
             target: str = typer.Option("llvm", help="llvm (this CPU) or 'cuda -arch=sm_90'"),
             records: str = typer.Option("./tuning-records", help="record store (folder or URL); '' for none"),
-            model: str = typer.Option("xgb", help="cost model: xgb (Ansor's regression), xgb-rank (pairwise "
-                                                   "ranking) or random"),
+            model: str = typer.Option("xgb-blend", help="cost model: xgb-blend (a regression and a pairwise "
+                                      "ranker, scores added), xgb (Ansor's regression), xgb-rank or random"),
             per_round: int = typer.Option(64, help="measurements per round"),
             retime: int = typer.Option(RETIME_PROGRAMS, **at_least("--retime", 0),
                                        help="time the best N stored programs again first, "

@@ -25,7 +25,14 @@ from tensortune.flows.stored_features import StoredFeatures
 from tensortune.schedule.stage import IllegalStep
 from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
-from tensortune.search.cost_model import WARMUP_PROGRAMS, CostModel, RandomModel, XGBModel
+from tensortune.search.cost_model import (
+    DEFAULT_MODEL,
+    MODEL_OBJECTIVES,
+    WARMUP_PROGRAMS,
+    CostModel,
+    RandomModel,
+    XGBModel,
+)
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
 from tensortune.search.task_scheduler import INF_COST, Objective, TaskScheduler, effective_costs
 from tensortune.storage.feature_cache import Key
@@ -79,17 +86,17 @@ class TuneResult:
         return sum(r.measure_s for r in self.rounds)
 
 
+
+
 def make_model(kind: str | CostModel, seed: int = 0, warmup: int = WARMUP_PROGRAMS) -> CostModel:
     """A cost model by name (a model passes through); warmup: XGBModel.num_warmup_sample."""
     if isinstance(kind, CostModel):
         return kind
-    if kind == "xgb":
-        return XGBModel(seed=seed, num_warmup_sample=warmup)
-    if kind == "xgb-rank":
-        return XGBModel(seed=seed, objective="rank", num_warmup_sample=warmup)
+    if kind in MODEL_OBJECTIVES:
+        return XGBModel(seed=seed, objective=MODEL_OBJECTIVES[kind], num_warmup_sample=warmup)
     if kind == "random":
         return RandomModel(seed)
-    raise ValueError(f"unknown cost model {kind!r}; use 'xgb', 'xgb-rank' or 'random'")
+    raise ValueError(f"unknown cost model {kind!r}; use {', '.join(map(repr, MODEL_OBJECTIVES))} or 'random'")
 
 
 def to_records(task: SearchTask, cands: list[Candidate], results: list[MeasureResult], *, round_: int,
@@ -324,7 +331,7 @@ def default_programs(task: SearchTask) -> list[State]:
 
 
 def tune_task(task: SearchTask, trials: int, *, measurer: Measurer | None = None,
-              model: str | CostModel = "xgb", params: SearchParams | None = None,
+              model: str | CostModel = DEFAULT_MODEL, params: SearchParams | None = None,
               records: RecordStore | None = None, seed: int = 0, flow_run_id: str = "", network: str = "",
               progress: Callable[[RoundLog, TuneResult], None] | None = None,
               measure_default: bool = False, confirm: int = CONFIRM_TIMINGS,
@@ -434,7 +441,7 @@ class NetworkTuner:
     each task's stored best as timed now."""
 
     def __init__(self, tasks: list[SearchTask], trials: int, measurer: Measurer | None, *,
-                 model: str | CostModel = "xgb", params: SearchParams | None = None,
+                 model: str | CostModel = DEFAULT_MODEL, params: SearchParams | None = None,
                  records: RecordStore | None = None, strategy: str = "gradient", objective: Objective | None = None,
                  seed: int = 0, flow_run_id: str = "", network_name: str = "", scheduler_options: dict | None = None,
                  progress: Callable[[int, RoundLog, "NetworkTuneResult"], None] | None = None,
@@ -635,7 +642,7 @@ def network_timing(net: NetworkTasks | None) -> TimingConfig:
 
 
 def tune_network(network: list[SearchTask] | str | Graph, trials: int, *, measurer: Measurer | None = None,
-                 model: str | CostModel = "xgb", params: SearchParams | None = None,
+                 model: str | CostModel = DEFAULT_MODEL, params: SearchParams | None = None,
                  records: RecordStore | None = None, strategy: str = "gradient", objective: Objective | None = None,
                  seed: int = 0, flow_run_id: str = "", network_name: str = "", target: str = "llvm",
                  network_options: dict | None = None, scheduler_options: dict | None = None,
