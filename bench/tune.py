@@ -6,10 +6,11 @@ repeats of >= 200 ms, bench.common's protocol) and compares the fastest with Num
 CPU, timed in this process by bench.common.measure, in alternating pairs (bench.common.compare), and
 with the measured FMA peak. `--threads N` is every side's thread count: kernels tuned and run for
 `llvm -num-threads=N`, BLAS and PyTorch limited to N. Reports search and measurement time separately and
-the best-so-far curve and the cost model's held-out pairwise accuracy and recall@k; `--ablate` adds the
-random-model, no-crossover and ranking-objective runs at equal trials and equal evolution generations;
-`--retime JSON` re-times the fastest programs a previous run wrote, without searching. `--target cuda`
-runs the GPU benchmark (bench/tune_cuda.py).
+the best-so-far curve and the cost model's held-out pairwise accuracy and recall@k (of each objective on
+the run's history); `--model` picks the main run's cost model (default the blend); `--ablate` adds the
+random-model, no-crossover, regression-alone and ranker-alone runs at equal trials and equal evolution
+generations; `--retime JSON` re-times the fastest programs a previous run wrote, without searching.
+`--target cuda` runs the GPU benchmark (bench/tune_cuda.py).
 """
 from __future__ import annotations
 
