@@ -120,7 +120,7 @@ def workload_task(key: str, threads: int):
 def run_one(key: str, trials: int, model, crossover: float, measurer, seed: int, per_round: int,
             overrides: dict | None = None, threads: int = 2, warmup: int = WARMUP_PROGRAMS,
             confirm: int = CONFIRM_TIMINGS):
-    """model: "xgb", "xgb-rank", "xgb-blend", "random" or a model instance (the transfer row's, trained on history);
+    """model: a name of MODEL_OBJECTIVES, "random", or a model instance (the transfer row's, trained on history);
     warmup: the programs a fresh model waits for before its scores are used (XGBModel.num_warmup_sample);
     confirm: timings added to a would-be best before it counts (codegen.confirmation)."""
     from tensortune.flows.tuning import make_model, tune_task

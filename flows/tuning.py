@@ -86,8 +86,6 @@ class TuneResult:
         return sum(r.measure_s for r in self.rounds)
 
 
-
-
 def make_model(kind: str | CostModel, seed: int = 0, warmup: int = WARMUP_PROGRAMS) -> CostModel:
     """A cost model by name (a model passes through); warmup: XGBModel.num_warmup_sample."""
     if isinstance(kind, CostModel):

@@ -7,8 +7,8 @@ prediction a stage instead, which cannot score a stage by what the others do). O
 throughput (good programs matter more); "rank" learns only the order, with RankNet's pairwise logistic
 loss on pairs of one task's programs; "blend", the default, trains one of each and adds their
 standardised scores (Blend), which ordered held-out programs better than either alone. It is retrained
-from all data each time. Every training reports held-out pairwise accuracy and recall@k, so a user can see whether it
-learns anything.
+from all data each time. Every training reports held-out pairwise accuracy and recall@k, so a user can
+see whether it learns anything.
 """
 from __future__ import annotations
 
