@@ -26,6 +26,8 @@ FAILED = 1
 # a run of a million measurements takes weeks on one node; more is a typo (an extra zero or two)
 MAX_TRIALS = 1_000_000
 CLUSTER_CONNECT_SECONDS = 3.0
+# search.cost_model.MODEL_OBJECTIVES (the default first) and the random model, named here so the CLI checks
+# --model before it imports the search
 MODELS = ("xgb-blend", "xgb", "xgb-rank", "random")
 
 

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from tensortune.codegen.confirmation import RETIME_PROGRAMS
 from tensortune.flows.cli_app import app
 from tensortune.flows.cli_input import (
+    MODELS,
     USAGE,
     at_least,
     check_count,
@@ -118,7 +119,7 @@ def tune_op(op: str = typer.Argument(..., help="registered workload, e.g. matmul
             trials: int = typer.Option(200, help="programs to measure"),
             target: str = typer.Option("llvm", help="llvm (this CPU) or 'cuda -arch=sm_90'"),
             records: str = typer.Option("./tuning-records", help="record store (folder or URL); '' for none"),
-            model: str = typer.Option("xgb-blend", help="cost model: xgb-blend (a regression and a pairwise "
+            model: str = typer.Option(MODELS[0], help="cost model: xgb-blend (a regression and a pairwise "
                                       "ranker, scores added), xgb (Ansor's regression), xgb-rank or random"),
             per_round: int = typer.Option(64, help="measurements per round"),
             retime: int = typer.Option(RETIME_PROGRAMS, **at_least("--retime", 0),

@@ -8,7 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tensortune.flows.cli import app
+from tensortune.flows.cli_input import MODELS
 from tensortune.flows.deploy_cli import host_problem
+from tensortune.search.cost_model import DEFAULT_MODEL, MODEL_OBJECTIVES
 from tensortune.storage.records import MeasureRecord, RecordStore
 
 
@@ -113,3 +115,9 @@ def test_a_mistake_is_one_line_and_a_nonzero_exit(paths, argv, code, message):
                                   "node-3.cluster.example.com."])
 def test_a_host_a_certificate_can_carry_is_taken(host):
     assert host_problem(host) is None
+
+
+def test_the_cli_checks_model_names_against_the_models_there_are():
+    """The CLI checks --model before it imports the search (cli_input.MODELS); the names it accepts are
+    the learned models search.cost_model builds and the random one, the default first."""
+    assert MODELS == (*MODEL_OBJECTIVES, "random") and MODELS[0] == DEFAULT_MODEL
