@@ -44,6 +44,10 @@ def test_flow_tunes_both_forms_and_builds_the_faster(tmp_path, prefect_api, flow
     timing = out["network_timing"]
     assert timing["passed"] and timing["tuned_tasks"] == 3 and len(timing["tasks"]) == 3
     assert timing["estimate_s"] == pytest.approx(out["estimate_after_s"], rel=1e-3)
-    faster = tasks[1 + int(np.argmin(best[1:3]))]["task"]
+    # the faster form by its records: the table's 1e-4 ms rounding ties two forms a few ns apart
+    # (0.005836 and 0.005792 ms rounded alike in one run, and the table's first then looked the faster)
+    timed = frame[frame["error_code"] == 0].groupby("task_name")["mean_latency"].min()
+    forms = [tasks[1]["task"], tasks[2]["task"]]
+    faster = min(forms, key=lambda name: timed[name])
     assert timing["tasks"][1]["name"] == faster
     assert out["library"]["passed"] and out["library"]["tuned"] == 3
