@@ -90,7 +90,9 @@ class Trainer:
     default): every stored record of the target, of any network and any night, so a task never tuned
     before is ranked by a model that has seen the others (Ansor's one model for all tasks; its
     features describe a program's buffer accesses, not which task it belongs to, and the throughputs are
-    normalised per task). A record of a task outside `tasks` is rebuilt from the task stored beside the
+    normalised per task); it trains on at most TASK_PROGRAMS programs of each of `tasks` and
+    OTHER_TASK_PROGRAMS of any other (search.cost_model.training_rows), so a retrain's cost stops growing
+    with the nights. A record of a task outside `tasks` is rebuilt from the task stored beside the
     records (storage.tasks); one whose task was never stored (a store written before the task files) is
     skipped and counted in `unknown`."""
 
@@ -99,7 +101,9 @@ class Trainer:
                  cache_features: bool = True):
         self.tasks = {t.workload_key: t for t in tasks}
         self.target, self.warmup, self.transfer = target, warmup, transfer
-        self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed, features=features, objective=objective)
+        # the model trains on the network's tasks' programs, and on a few of every other task's (XGBModel.focus)
+        self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed, features=features, objective=objective,
+                            focus=list(self.tasks))
         self.seen: set[tuple[str, str]] = set()
         self.unknown: set[str] = set()             # workload keys with records but no stored task
         # each store's features (flows.stored_features), its cache read at the store's first read_new
@@ -180,9 +184,10 @@ class HistoryModel:
 
 def history_model(stores: Sequence[RecordStore], tasks: Sequence[SearchTask], seed: int = 0,
                   exclude: Sequence[str] = (), objective: str = DEFAULT_OBJECTIVE) -> HistoryModel:
-    """An XGBModel trained on every record of the tasks' target in `stores` (every network, every night),
-    leaving out the workload keys in `exclude`: a search that resumes its own task's history feeds those
-    records to the model itself (flows.tuning.resume_policy), and a benchmark that asks what other tasks'
+    """An XGBModel trained on the records of the tasks' target in `stores` (every network, every night; at
+    most OTHER_TASK_PROGRAMS of a task other than `tasks`, as the flow's Trainer trains), leaving out the
+    workload keys in `exclude`: a search that resumes its own task's history feeds those records to the
+    model itself (flows.tuning.resume_policy), and a benchmark that asks what other tasks'
     history is worth must not learn from the task. Too few programs leave it untrained (random)."""
     trainer = Trainer(tasks, str(tasks[0].target), seed=seed, transfer=True, objective=objective)
     for store in stores:

@@ -7,8 +7,9 @@ prediction a stage instead, which cannot score a stage by what the others do). O
 throughput (good programs matter more); "rank" learns only the order, with RankNet's pairwise logistic
 loss on pairs of one task's programs; "blend", the default, trains one of each and adds their
 standardised scores (Blend), which ordered held-out programs better than either alone. It is retrained
-from all data each time. Every training reports held-out pairwise accuracy and recall@k, so a user can
-see whether it learns anything.
+each time from each task's best and newest programs, at most TASK_PROGRAMS of a task, so a retrain's cost
+grows with the tasks, not with the nights (training_rows). Every training reports held-out pairwise
+accuracy and recall@k, so a user can see whether it learns anything.
 """
 from __future__ import annotations
 
@@ -174,6 +175,22 @@ def pairwise_pairs(y: np.ndarray, groups: np.ndarray, partners: int, seed: int) 
     return np.concatenate(first), np.concatenate(second)
 
 
+def training_rows(rows: Sequence[tuple[ProgramInput, float]], limit: int) -> list[tuple[ProgramInput, float]]:
+    """At most `limit` of one task's (program, throughput) rows, in record order: the best quarter by
+    throughput, then the newest. The best keep the top of the order the model must get right, the newest
+    are the region the search is in now. A program left out never comes back: new programs only push it
+    down the order, and where the newest begin only moves on (a new program entering the best quarter
+    pushes an older one out of it), so a task's training set changes only at its ends."""
+    if len(rows) <= limit:
+        return list(rows)
+    keep = set(sorted(range(len(rows)), key=lambda i: -rows[i][1])[:limit // 4])
+    for i in range(len(rows) - 1, -1, -1):
+        if len(keep) == limit:
+            break
+        keep.add(i)
+    return [rows[i] for i in sorted(keep)]
+
+
 def pairwise_accuracy(pred: np.ndarray, true: np.ndarray) -> float:
     i, j = np.triu_indices(len(true), 1)
     keep = true[i] != true[j]
@@ -191,6 +208,19 @@ def recall_at_k(pred: np.ndarray, true: np.ndarray, k: int) -> float:
 
 # the fewest programs `fit` trains on
 MIN_FIT_PROGRAMS = 8
+# The most programs of a task `fit` trains on (training_rows: its best quarter, then its newest). The flow
+# retrains every round from the whole store, so without a bound every night made every round's retrain
+# slower (a blend's fit 2.4 s on 3 000 network programs, 4.5 s on 12 000; Zen 4). More than this many
+# programs of one task did not order its next round better: online on a 2 048-program conv history (the
+# model of each round from the 16th on ordering the next round's programs, seeds 0-1) all programs 0.760,
+# at most 1024 0.770, 512 0.758, 256 0.759, 128 0.749, 64 0.748; retraining every other round instead
+# (the model a round older) 0.755, every fourth 0.738 (docs/performance.md, "A bounded training history").
+TASK_PROGRAMS = 256
+# ... of a task the search is not tuning (`focus`), whose programs teach the model what programs of other
+# tasks are worth (transfer): a task left out whole was ordered as well with the other tasks' programs
+# at most 32 a task as with all of them (0.648 against 0.647, 17 network tasks left out in turn), at 16 worse
+# (0.617)
+OTHER_TASK_PROGRAMS = 32
 # Programs the model must have seen before its scores are used (at least MIN_FIT_PROGRAMS). TVM waits for 100,
 # so with rounds of 64 a task's first two rounds are drawn at random and a 128-trial search has no
 # model at all. Trusting it from its first fit found faster programs by 128 trials in six of six runs
@@ -206,13 +236,17 @@ class XGBModel(CostModel):
 
     def __init__(self, num_warmup_sample: int = WARMUP_PROGRAMS, seed: int = 0, holdout: float = 0.2, k: int = 10,
                  max_rounds: int | None = None, early_stopping: int = 50, features: Featurizer | None = None,
-                 objective: str = DEFAULT_OBJECTIVE, partners: int = 16):
+                 objective: str = DEFAULT_OBJECTIVE, partners: int = 16, task_programs: int = TASK_PROGRAMS,
+                 focus: Sequence[str] | None = None):
         if objective not in OBJECTIVES:
             raise ValueError(f"unknown cost-model objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
         self.objective, self.partners = objective, partners
         self.num_warmup_sample, self.seed, self.holdout, self.k = num_warmup_sample, seed, holdout, k
         self.max_rounds = max_rounds        # None: each objective's DEFAULT_ROUNDS (a blend's two their own)
         self.early_stopping = early_stopping
+        # what `fit` trains on, a task at most (training_rows): `task_programs` of a task in `focus` (None:
+        # every task), OTHER_TASK_PROGRAMS of any other; `data` keeps every program
+        self.task_programs, self.focus = task_programs, None if focus is None else set(focus)
         self.booster: Any = None             # an xgboost.Booster once trained (a Blend of two: "blend")
         self.features = features or Featurizer()    # pass one in to share templates across versions
         self.data: dict[str, list[tuple[ProgramInput, float]]] = {}  # workload key -> [(program, throughput)]
@@ -255,6 +289,10 @@ class XGBModel(CostModel):
     def _normalised(self) -> dict[str, list[tuple[ProgramInput, float]]]:
         """Each task's throughputs divided by its best, so tasks of any size train one model."""
         return {key: scaled_to_best(rows) for key, rows in self.data.items()}
+
+    def _limit(self, key: str) -> int:
+        """The most programs of task `key` that `fit` trains on."""
+        return self.task_programs if self.focus is None or key in self.focus else OTHER_TASK_PROGRAMS
 
     def _train(self, programs: list[tuple[ProgramInput, float]], groups: np.ndarray, x: np.ndarray | None = None):
         """A booster on `programs` (program, normalised throughput); `groups[i]` is program i's task; `x`
@@ -312,15 +350,17 @@ class XGBModel(CostModel):
         return _scores(booster, _rows(programs))
 
     def fit(self) -> TrainingMetrics | None:
-        """Retrain from all data, after measuring how well the current booster ranks the programs
-        measured since it was trained: data it has never seen, and the ones the search chose by it
-        (TVM reports no such figure). Before there is a booster, a model fitted on 80% ranks the rest."""
+        """Retrain from each task's best and newest programs (at most `_limit` of a task: training_rows),
+        after measuring how well the current booster ranks the programs measured since it was trained:
+        data it has never seen, and the ones the search chose by it (TVM reports no such figure). Before
+        there is a booster, a model fitted on 80% ranks the rest."""
         if self.n_programs < MIN_FIT_PROGRAMS:
             return None
-        data = self._normalised()
+        every = self._normalised()
         acc: list[float] = []
         rec: list[float] = []
-        fresh = {key: rows[len(rows) - self.unseen.get(key, 0):] for key, rows in data.items()}
+        fresh = {key: rows[len(rows) - self.unseen.get(key, 0):] for key, rows in every.items()}
+        data = {key: training_rows(rows, self._limit(key)) for key, rows in every.items()}
         if self.booster is not None and any(len(rows) >= 2 for rows in fresh.values()):
             self._rank(self.booster, fresh, acc, rec)
         else:

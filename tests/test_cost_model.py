@@ -20,6 +20,7 @@ from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import (
     OBJECTIVES,
+    OTHER_TASK_PROGRAMS,
     XGB_PARAMS,
     Blend,
     RandomModel,
@@ -27,6 +28,7 @@ from tensortune.search.cost_model import (
     pairwise_accuracy,
     pairwise_pairs,
     recall_at_k,
+    training_rows,
 )
 from tensortune.search.feature import FeatureExtractor, FeatureTemplate, state_numbers
 from tensortune.search.feature_layout import BUF, COLUMN, N_FEATURES, OFFSET, feature_names
@@ -195,6 +197,36 @@ def test_untrained_model_falls_back_to_random():
     cands = SketchPolicy(task, seed=0).sample(8)
     model = XGBModel(num_warmup_sample=100)
     assert model.is_random and len(model.predict(task, cands)) == 8
+
+
+def test_a_task_trains_on_its_best_quarter_then_its_newest_and_a_program_left_out_stays_out():
+    """Programs arriving one at a time with random throughputs: at every length the kept rows are the
+    history's best quarter and otherwise its newest, in record order, and none comes back once left out
+    (so what a task trains on changes only at its ends)."""
+    rng = random.Random(0)
+    rows = [((np.full(1, i), np.zeros(0)), rng.random()) for i in range(300)]
+    limit, before = 32, set()
+    for n in range(1, len(rows) + 1):
+        kept = [int(p[0][0]) for p, _ in training_rows(rows[:n], limit)]
+        assert kept == sorted(kept) and len(kept) == min(n, limit)
+        best = set(sorted(range(n), key=lambda i: -rows[i][1])[:limit // 4]) if n > limit else set(range(n))
+        assert best <= set(kept)
+        newest = [i for i in kept if i not in best]
+        assert all(i in kept for i in range(min(newest, default=n), n))    # the rest: the newest, no gap
+        assert set(kept) & set(range(n - 1)) <= before                      # nothing left out comes back
+        before = set(kept)
+
+
+def test_fit_trains_on_at_most_its_limit_of_each_task(measured):
+    """48 programs of one task: a model trains on `task_programs` of them where the task is its focus (or
+    it has none), and OTHER_TASK_PROGRAMS of a task outside its focus."""
+    task, cands, costs = measured
+    for kw, expected in [({}, 48), ({"task_programs": 16}, 16),
+                         ({"task_programs": 16, "focus": [task.workload_key]}, 16),
+                         ({"task_programs": 16, "focus": ["another task"]}, min(48, OTHER_TASK_PROGRAMS))]:
+        model = XGBModel(num_warmup_sample=0, objective="regression", **kw)
+        model.add(task, cands[:48], costs[:48])
+        assert model.fit().n_programs == expected and model.n_programs == 48, kw
 
 
 def test_ranking_pairs_stay_within_a_task_and_point_the_right_way():
