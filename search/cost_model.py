@@ -210,11 +210,12 @@ def recall_at_k(pred: np.ndarray, true: np.ndarray, k: int) -> float:
 MIN_FIT_PROGRAMS = 8
 # The most programs of a task `fit` trains on (training_rows: its best quarter, then its newest). The flow
 # retrains every round from the whole store, so without a bound every night made every round's retrain
-# slower (a blend's fit 2.4 s on 3 000 network programs, 4.5 s on 12 000; Zen 4). More than this many
-# programs of one task did not order its next round better: online on a 2 048-program conv history (the
-# model of each round from the 16th on ordering the next round's programs, seeds 0-1) all programs 0.760,
-# at most 1024 0.770, 512 0.758, 256 0.759, 128 0.749, 64 0.748; retraining every other round instead
-# (the model a round older) 0.755, every fourth 0.738 (docs/performance.md, "A bounded training history").
+# slower (a blend's fit on two network stores' 3 000 programs 2.1 s, repeated as 12 000 4.2 s, 48 000 12.2 s;
+# bounded 1.9, 2.4, 2.5 s; Zen 4). More than this many programs of one task did not order its next round
+# better: online on a 2 048-program conv history (the model before each of rounds 17-32 ordering that
+# round's programs, seeds 0-1) all programs 0.760, at most 1024 0.770, 512 0.758, 256 0.759, 128 0.749, 64
+# 0.748; a model of all programs but a round old (retraining less often) 0.755, four rounds old 0.738
+# (docs/performance.md, "A bounded training history").
 TASK_PROGRAMS = 256
 # ... of a task the search is not tuning (`focus`), whose programs teach the model what programs of other
 # tasks are worth (transfer): a task left out whole was ordered as well with the other tasks' programs
