@@ -47,6 +47,10 @@ class TaskRow:
     trials_run: int              # measured by this run
     trials_total: int            # in the history, this run included
     default_latency: float = math.nan   # the runtime's default schedule, when measured
+    # the cost model's held-out pairwise accuracy and recall@10 on the task's programs measured since the
+    # training before (its latest retrain that had any: the programs the search picked by that model)
+    model_accuracy: float = math.nan
+    model_recall: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         ok = math.isfinite(self.best_latency) and self.best_latency > 0
@@ -54,7 +58,9 @@ class TaskRow:
                 "best latency (ms)": _num(self.best_latency * 1e3 if ok else math.nan, 4),
                 "GFLOP/s": _num(self.flops / self.best_latency / 1e9 if ok else math.nan, 2),
                 "speedup vs default": _num(self.default_latency / self.best_latency if ok else math.nan, 2),
-                "trials (this run)": self.trials_run, "trials (total)": self.trials_total}
+                "trials (this run)": self.trials_run, "trials (total)": self.trials_total,
+                "model accuracy (latest)": _num(self.model_accuracy, 3),
+                "model recall@10 (latest)": _num(self.model_recall, 3)}
 
 
 @dataclass

@@ -145,6 +145,9 @@ class Session:
         # the model learns from every stored record of the target (other networks, earlier nights)
         self.trainer = Trainer(tasks, self.target, warmup, seed, self.model.features, transfer=True)
         n = len(tasks)
+        self.index = {t.workload_key: i for i, t in enumerate(tasks)}
+        # each task's latest held-out (pairwise accuracy, recall@k) from the retrain step
+        self.ranking: dict[int, tuple[float, float]] = {}
         self.stored = [math.inf] * n                 # best latency stored before this run
         self.before = [math.inf] * n                 # ... as timed again at its start (retime-stored-bests)
         # where the run's time went, inside the steps (the rest of the wall time is orchestration)
@@ -167,7 +170,7 @@ class Session:
     def rows(self) -> list[artifacts.TaskRow]:
         run, before = self.tuner.trials_run, self.tuner.history
         return [artifacts.TaskRow(i, t.name, t.weight, t.flops, self.best_latency(i), run[i], before[i] + run[i],
-                                  self.tuner.default_latency[i])
+                                  self.tuner.default_latency[i], *self.ranking.get(i, (math.nan, math.nan)))
                 for i, t in enumerate(self.tasks)]
 
     def estimate(self) -> float:
@@ -284,6 +287,12 @@ def retrain_cost_model(s: Session, why: str) -> dict[str, Any]:
                  f"pairwise accuracy {_figure(m.get('pairwise_accuracy'))}, recall@{m.get('k')} "
                  f"{_figure(m.get('recall_at_k'))} on programs it had not seen (since the last training: the "
                  f"search's own picks), {report.seconds:.1f} s")
+        for key, figures in m.get("per_task", {}).items():
+            if key in s.index:       # (a task of another network: only while that one is tuned beside)
+                i = s.index[key]
+                s.ranking[i] = (figures[0], figures[1])
+                log.info(f"  {s.tasks[i].name} (task {i}): pairwise accuracy {figures[0]:.3f}, recall@{m.get('k')} "
+                         f"{figures[1]:.3f} on its {int(figures[2])} programs")
     else:
         log.info(f"cost model unchanged ({report.version or 'random'}): {report.reason}")
     return {"trained": report.trained, "version": report.version, "records": report.record_count,

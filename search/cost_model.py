@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -111,11 +111,14 @@ class RandomModel(CostModel):
 class TrainingMetrics:
     n_programs: int
     n_tasks: int
-    pairwise_accuracy: float       # held-out, fraction of correctly ordered pairs within a task
-    recall_at_k: float             # held-out, |true top-k ∩ predicted top-k| / k
+    pairwise_accuracy: float       # held-out, fraction of correctly ordered pairs within a task (tasks' mean)
+    recall_at_k: float             # held-out, |true top-k ∩ predicted top-k| / k (tasks' mean)
     k: int
     train_rmse: float
     rounds: int
+    # workload key -> [pairwise accuracy, recall@k, programs held out], each task whose held-out programs
+    # have an order to get right (the means above are over these)
+    per_task: dict[str, list[float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -233,7 +236,8 @@ WARMUP_PROGRAMS = 0
 
 
 class XGBModel(CostModel):
-    """The learned model. Data is kept per task; `fit` retrains from everything it has seen."""
+    """The learned model. Data is kept per task, every program; `fit` retrains from each task's best and
+    newest (training_rows)."""
 
     def __init__(self, num_warmup_sample: int = WARMUP_PROGRAMS, seed: int = 0, holdout: float = 0.2, k: int = 10,
                  max_rounds: int | None = None, early_stopping: int = 50, features: Featurizer | None = None,
@@ -358,12 +362,11 @@ class XGBModel(CostModel):
         if self.n_programs < MIN_FIT_PROGRAMS:
             return None
         every = self._normalised()
-        acc: list[float] = []
-        rec: list[float] = []
+        per_task: dict[str, list[float]] = {}
         fresh = {key: rows[len(rows) - self.unseen.get(key, 0):] for key, rows in every.items()}
         data = {key: training_rows(rows, self._limit(key)) for key, rows in every.items()}
         if self.booster is not None and any(len(rows) >= 2 for rows in fresh.values()):
-            self._rank(self.booster, fresh, acc, rec)
+            per_task = self._rank(self.booster, fresh)
         else:
             rng = random.Random(self.seed + self.trainings)
             train, train_groups, held = [], [], {}
@@ -375,7 +378,7 @@ class XGBModel(CostModel):
                 train += [rows[i] for i in idx[n_held:]]
                 train_groups += [g] * (len(rows) - n_held)
             if any(held.values()):
-                self._rank(self._train(train, np.array(train_groups)), held, acc, rec)
+                per_task = self._rank(self._train(train, np.array(train_groups)), held)
         all_rows = [r for rows in data.values() for r in rows]
         groups = np.concatenate([np.full(len(rows), g) for g, rows in enumerate(data.values())])
         x = _rows([p for p, _ in all_rows])
@@ -387,8 +390,9 @@ class XGBModel(CostModel):
         self.trainings += 1
         self.version = str(self.trainings)
         self.metrics = TrainingMetrics(
-            len(all_rows), len(data), _mean_of_finite(acc), _mean_of_finite(rec), self.k,
-            float(np.sqrt(np.mean((pred - true) ** 2))), int(self.booster.best_iteration + 1))
+            len(all_rows), len(data), _mean_of_finite([a for a, _, _ in per_task.values()]),
+            _mean_of_finite([r for _, r, _ in per_task.values()]), self.k,
+            float(np.sqrt(np.mean((pred - true) ** 2))), int(self.booster.best_iteration + 1), per_task)
         log.info("cost model v%d trained on %d programs of %d task(s): held-out pairwise accuracy %.3f, "
                  "recall@%d %.3f", self.trainings, self.metrics.n_programs, self.metrics.n_tasks,
                  self.metrics.pairwise_accuracy, self.k, self.metrics.recall_at_k)
@@ -414,18 +418,24 @@ class XGBModel(CostModel):
                 held = set(idx[fold::folds])
                 train = [rows[i] for i in idx if i not in held]
                 booster = self._train(scaled_to_best(train), np.zeros(len(train), np.int64))
-                self._rank(booster, {"held": [rows[i] for i in sorted(held)]}, acc, rec)
+                for a, r, _ in self._rank(booster, {"held": [rows[i] for i in sorted(held)]}).values():
+                    acc.append(a)
+                    rec.append(r)
         return _mean_of_finite(acc), _mean_of_finite(rec)
 
-    def _rank(self, booster, held: dict[str, list[tuple[ProgramInput, float]]], acc: list, rec: list) -> None:
-        """Pairwise accuracy and recall@k of the booster on each task's held-out programs."""
-        for rows in held.values():
+    def _rank(self, booster, held: dict[str, list[tuple[ProgramInput, float]]]) -> dict[str, list[float]]:
+        """[pairwise accuracy, recall@k, programs] of the booster on each task's held-out programs, for
+        each task whose held-out programs have an order to get right (two or more, not all tied)."""
+        out: dict[str, list[float]] = {}
+        for key, rows in held.items():
             if len(rows) < 2:
                 continue
             pred = self._predict_rows(booster, [p for p, _ in rows])
             true = np.array([t for _, t in rows])
-            acc.append(pairwise_accuracy(pred, true))
-            rec.append(recall_at_k(pred, true, self.k))
+            acc = pairwise_accuracy(pred, true)
+            if math.isfinite(acc):
+                out[key] = [acc, recall_at_k(pred, true, self.k), len(rows)]
+        return out
 
     # ------------------------------------------------------------------ prediction
 

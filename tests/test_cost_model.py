@@ -229,6 +229,22 @@ def test_fit_trains_on_at_most_its_limit_of_each_task(measured):
         assert model.fit().n_programs == expected and model.n_programs == 48, kw
 
 
+def test_a_training_reports_how_the_model_before_it_ranked_each_tasks_new_programs(measured):
+    """fit's held-out figures, task by task: the booster before it on the programs added since (what the
+    flow's task table shows), and their mean."""
+    task, cands, costs = measured
+    model = XGBModel(num_warmup_sample=0)
+    model.add(task, cands[:40], costs[:40])
+    model.fit()
+    pred = model.predict(task, cands[40:64])
+    thr = np.array([task.flops / c if math.isfinite(c) else 0.0 for c in costs[40:64]])
+    model.add(task, cands[40:64], costs[40:64])
+    metrics = model.fit()
+    assert metrics.per_task == {task.workload_key: [pytest.approx(pairwise_accuracy(pred, thr)),
+                                                    pytest.approx(recall_at_k(pred, thr, 10)), 24]}
+    assert metrics.pairwise_accuracy == pytest.approx(pairwise_accuracy(pred, thr))
+
+
 def test_ranking_pairs_stay_within_a_task_and_point_the_right_way():
     y = np.array([0.1, 0.5, 0.5, 0.9, 0.2, 0.8, 0.0])
     groups = np.array([0, 0, 0, 0, 1, 1, 1])
