@@ -288,7 +288,7 @@ def retrain_cost_model(s: Session, why: str) -> dict[str, Any]:
                  f"{_figure(m.get('recall_at_k'))} on programs it had not seen (since the last training: the "
                  f"search's own picks), {report.seconds:.1f} s")
         for key, figures in m.get("per_task", {}).items():
-            if key in s.index:       # (a task of another network: only while that one is tuned beside)
+            if key in s.index:       # (not another network's task: the first training ranks those too)
                 i = s.index[key]
                 s.ranking[i] = (figures[0], figures[1])
                 log.info(f"  {s.tasks[i].name} (task {i}): pairwise accuracy {figures[0]:.3f}, recall@{m.get('k')} "
