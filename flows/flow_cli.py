@@ -190,10 +190,12 @@ def _print_summary(summary: dict) -> None:
     rows = summary["tasks"]
     table = Table(title=f"{summary['network']} on {summary['target']}: {summary['trials']} trials in "
                         f"{summary['rounds']} rounds")
-    columns = ["#", "task", "weight", "best latency (ms)", "GFLOP/s", "speedup vs default", "trials (this run)",
-               "trials (total)"]
-    for c in columns:
-        table.add_column(c, justify="left" if c == "task" else "right")
+    # the task table's columns under short headers, so a network's task names (to ~30 characters) fit whole
+    columns = {"#": "#", "task": "task", "weight": "weight", "best latency (ms)": "best ms", "GFLOP/s": "GFLOP/s",
+               "speedup vs default": "vs default", "trials (this run)": "trials", "trials (total)": "total",
+               "model accuracy (latest)": "model acc."}
+    for c, header in columns.items():
+        table.add_column(header, justify="left" if c == "task" else "right", min_width=30 if c == "task" else None)
     for r in rows:
         table.add_row(*("-" if r[c] is None else str(r[c]) for c in columns))
     console.print(table)
