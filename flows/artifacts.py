@@ -47,8 +47,9 @@ class TaskRow:
     trials_run: int              # measured by this run
     trials_total: int            # in the history, this run included
     default_latency: float = math.nan   # the runtime's default schedule, when measured
-    # the cost model's held-out pairwise accuracy and recall@10 on the task's programs measured since the
-    # training before (its latest retrain that had any: the programs the search picked by that model)
+    # the cost model's held-out pairwise accuracy and recall@10 (the flow's model's k) on the task's
+    # programs measured since the training before: the programs the search picked by that model (at the
+    # first training, with no model before it, a random fifth of the task's programs held out)
     model_accuracy: float = math.nan
     model_recall: float = math.nan
 

@@ -177,7 +177,7 @@ class Trainer:
 class HistoryModel:
     """A cost model trained on stored records before a search starts (transfer)."""
     model: XGBModel
-    programs: int                    # it learned from (0: none, and the model is still random)
+    programs: int                    # read from the stores, not all trained on (0: the model is still random)
     tasks: int                       # ... of this many tasks
     unknown: list[str]               # workload keys with records but no stored task (skipped)
 

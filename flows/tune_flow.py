@@ -142,7 +142,8 @@ class Session:
                                   network_name=network, scheduler_options=scheduler_options, resume=False,
                                   form_sets=self.form_sets, retime=retime)
         self.policies, self.sched = self.tuner.policies, self.tuner.sched
-        # the model learns from every stored record of the target (other networks, earlier nights)
+        # the model learns from the stored records of the target (other networks, earlier nights; each task's
+        # best and newest: Trainer)
         self.trainer = Trainer(tasks, self.target, warmup, seed, self.model.features, transfer=True)
         n = len(tasks)
         self.index = {t.workload_key: i for i, t in enumerate(tasks)}

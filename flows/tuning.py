@@ -273,8 +273,9 @@ _REMEMBERED: set[tuple[str, str]] = set()       # (store URL, workload key) this
 
 
 def remember_task(records: RecordStore, task: SearchTask) -> None:
-    """Store the task beside its records (storage.tasks), once: a model that trains on every record of
-    the target rebuilds the programs of other networks' tasks from it (flows.retrain, transfer)."""
+    """Store the task beside its records (storage.tasks), once: a model that trains on the records of
+    every task of the target rebuilds the programs of other networks' tasks from it (flows.retrain,
+    transfer)."""
     key = (records.location.url, task.workload_key)
     if key not in _REMEMBERED:
         TaskStore(records.location.url).add(task.workload_key, task.to_json(), task.name, task.label)

@@ -86,7 +86,7 @@ class CostModel:
         then refits once); nothing by default."""
 
     def refit(self) -> None:
-        """Learn from everything added; nothing by default."""
+        """Learn from what was added; nothing by default."""
 
     @property
     def is_random(self) -> bool:
@@ -364,7 +364,9 @@ class XGBModel(CostModel):
         every = self._normalised()
         per_task: dict[str, list[float]] = {}
         fresh = {key: rows[len(rows) - self.unseen.get(key, 0):] for key, rows in every.items()}
-        data = {key: training_rows(rows, self._limit(key)) for key, rows in every.items()}
+        # chosen by the measured throughputs, then scaled (the task's best is among them): scaled first, two
+        # throughputs a rounding apart could tie and bring back a program left out
+        data = {key: scaled_to_best(training_rows(rows, self._limit(key))) for key, rows in self.data.items()}
         if self.booster is not None and any(len(rows) >= 2 for rows in fresh.values()):
             per_task = self._rank(self.booster, fresh)
         else:
@@ -488,7 +490,9 @@ class XGBModel(CostModel):
         model.version = str(model.trainings)
         model.num_warmup_sample = 0
         if meta.get("metrics"):
-            model.metrics = TrainingMetrics(**meta["metrics"])
+            # the fields this version knows (a model stored by a newer one may carry more)
+            known = TrainingMetrics.__dataclass_fields__
+            model.metrics = TrainingMetrics(**{k: v for k, v in meta["metrics"].items() if k in known})
         return model
 
 
@@ -505,7 +509,7 @@ def _scores(booster, x: np.ndarray) -> np.ndarray:
 
 
 def _mean_of_finite(values: list[float]) -> float:
-    """The mean of the per-task metrics that exist (a task whose held-out rows tie has NaN); NaN when none
-    does, without numpy's empty-slice warning."""
+    """The mean of the figures that exist (cross_validate's folds: NaN where the held-out rows all tie);
+    NaN when none does, without numpy's empty-slice warning."""
     finite = [v for v in values if not math.isnan(v)]
     return float(np.mean(finite)) if finite else float("nan")

@@ -256,10 +256,15 @@ class RecordStore:
     def training_frame(self, target: str | None = None,
                        workload_keys: Sequence[str] | None = None) -> pd.DataFrame:
         """Columns workload_key, steps, mean_latency, flops, error_code of every record (errors
-        included: the trainer decides what to do with them)."""
+        included: the trainer decides what to do with them), oldest first: files are listed in no time
+        order (part files are named by uuid, compaction puts each task's best rows first), and a trainer
+        that keeps a task's newest programs (search.cost_model.training_rows) must know which they are.
+        Records of one time keep their order in the files."""
         columns = ["workload_key", "steps", "mean_latency", "flops", "error_code"]
-        table = self._scanner.scan(columns, _match("workload_key", workload_keys), _targets(target))
-        return table.select(columns).to_pandas()
+        table = self._scanner.scan([*columns, "timestamp"], _match("workload_key", workload_keys),
+                                   _targets(target))
+        frame = table.select([*columns, "timestamp"]).to_pandas()
+        return frame.sort_values("timestamp", kind="stable", ignore_index=True)[columns]
 
     def iter_training_rows(self, target: str | None = None,
                            workload_keys: Sequence[str] | None = None) -> Iterator[TrainingRow]:

@@ -200,11 +200,12 @@ def test_untrained_model_falls_back_to_random():
 
 
 def test_a_task_trains_on_its_best_quarter_then_its_newest_and_a_program_left_out_stays_out():
-    """Programs arriving one at a time with random throughputs: at every length the kept rows are the
-    history's best quarter and otherwise its newest, in record order, and none comes back once left out
-    (so what a task trains on changes only at its ends)."""
+    """Programs arriving one at a time with random throughputs, many tied and some failed (0): at every
+    length the kept rows are the history's best quarter and otherwise its newest, in record order, and
+    none comes back once left out (so what a task trains on changes only at its ends)."""
     rng = random.Random(0)
-    rows = [((np.full(1, i), np.zeros(0)), rng.random()) for i in range(300)]
+    rows = [((np.full(1, i), np.zeros(0)), rng.choice([0.0, 0.0, 1.0, 2.0, 3.0, rng.random()]))
+            for i in range(300)]
     limit, before = 32, set()
     for n in range(1, len(rows) + 1):
         kept = [int(p[0][0]) for p, _ in training_rows(rows[:n], limit)]

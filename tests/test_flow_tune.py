@@ -143,11 +143,12 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     models = ModelStore(records).list()
     assert len(models) == 2 and (models["record_count"] == [16, 32]).all()
     assert "metric.pairwise_accuracy" in models
-    # the second model's figures, of the first model on rounds 2-3's programs, per task (the first training
-    # held none out: 8 programs a task) and their mean; the task table shows each task's latest
+    # the second model's figures, of the first model on rounds 2-3's programs, per task (8 a round, one task
+    # a round; the first training held none out: too few a task) and their mean; the task table shows each
+    # task's latest
     second_model = models.loc[models["record_count"] == 32].iloc[0]
     per_task = second_model["metric.per_task"]
-    assert per_task and all(0 <= a <= 1 and 0 <= r <= 1 and n == 8 for a, r, n in per_task.values()), per_task
+    assert per_task and all(0 <= a <= 1 and 0 <= r <= 1 and n in (8, 16) for a, r, n in per_task.values()), per_task
     assert second_model["metric.pairwise_accuracy"] == pytest.approx(np.mean([a for a, _, _ in per_task.values()]))
     keys = [t.workload_key for t in network_tasks(load_graph(network), str(parse_target("llvm")))[1]]
     assert {keys[r["#"]]: r["model accuracy (latest)"] for r in rows if r["model accuracy (latest)"] is not None} \

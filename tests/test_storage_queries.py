@@ -33,6 +33,17 @@ def store(tmp_path) -> RecordStore:
     return store
 
 
+def test_training_rows_come_oldest_first_whatever_the_order_of_the_files(tmp_path):
+    """Part files are listed in no time order (named by uuid): the newest programs a trainer keeps
+    (search.cost_model.training_rows) must be the newest measured. Records of one time keep their order."""
+    store = RecordStore(str(tmp_path), auto_compact=None)
+    for minutes in (50, 10, 40, 0, 30, 20):                 # one file each, appended out of time order
+        store.append([_r("a", 1e-3, minutes=minutes, steps=f"[{minutes},first]"),
+                      _r("a", 2e-3, minutes=minutes, steps=f"[{minutes},second]")])
+    steps = list(store.training_frame(target="llvm")["steps"])
+    assert steps == [f"[{m},{which}]" for m in (0, 10, 20, 30, 40, 50) for which in ("first", "second")]
+
+
 def test_best_per_task(store):
     best = store.best_per_task()
     table = {(row.target, row.workload_key): row for row in best.itertuples()}
