@@ -221,10 +221,11 @@ MIN_FIT_PROGRAMS = 8
 # (docs/performance.md, "A bounded training history").
 TASK_PROGRAMS = 256
 # ... of a task the search is not tuning (`focus`), whose programs teach the model what programs of other
-# tasks are worth (transfer): a task left out whole was ordered as well with the other tasks' programs
-# at most 32 a task as with all of them (0.648 against 0.647, 17 network tasks left out in turn), at 16 worse
-# (0.617)
-OTHER_TASK_PROGRAMS = 32
+# tasks are worth (transfer). Each of 50 network tasks left out whole in turn, ranked by a model of the
+# other tasks' programs (two 1500-trial stores, 45-128 programs a task): all of them 0.661, at most 64 a
+# task 0.655, 48 0.644, 32 0.638 (the best quarter and the newest; the best quarter and programs spread
+# over the task's history instead: 32 0.651, 48 0.646)
+OTHER_TASK_PROGRAMS = 64
 # Programs the model must have seen before its scores are used (at least MIN_FIT_PROGRAMS). TVM waits for 100,
 # so with rounds of 64 a task's first two rounds are drawn at random and a 128-trial search has no
 # model at all. Trusting it from its first fit found faster programs by 128 trials in six of six runs
