@@ -224,7 +224,7 @@ TASK_PROGRAMS = 256
 # tasks are worth (transfer). Each of 50 network tasks left out whole in turn, ranked by a model of the
 # other tasks' programs (two 1500-trial stores, 45-128 programs a task): all of them 0.661, at most 64 a
 # task 0.655, 48 0.644, 32 0.638 (the best quarter and the newest; the best quarter and programs spread
-# over the task's history instead: 32 0.651, 48 0.646)
+# over the task's history instead: 32 0.651, 48 0.646, 64 0.651)
 OTHER_TASK_PROGRAMS = 64
 # Programs the model must have seen before its scores are used (at least MIN_FIT_PROGRAMS). TVM waits for 100,
 # so with rounds of 64 a task's first two rounds are drawn at random and a 128-trial search has no
