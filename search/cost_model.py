@@ -292,10 +292,6 @@ class XGBModel(CostModel):
 
     # ------------------------------------------------------------------ training
 
-    def _normalised(self) -> dict[str, list[tuple[ProgramInput, float]]]:
-        """Each task's throughputs divided by its best, so tasks of any size train one model."""
-        return {key: scaled_to_best(rows) for key, rows in self.data.items()}
-
     def _limit(self, key: str) -> int:
         """The most programs of task `key` that `fit` trains on."""
         return self.task_programs if self.focus is None or key in self.focus else OTHER_TASK_PROGRAMS
@@ -362,11 +358,12 @@ class XGBModel(CostModel):
         there is a booster, a model fitted on 80% ranks the rest."""
         if self.n_programs < MIN_FIT_PROGRAMS:
             return None
-        every = self._normalised()
         per_task: dict[str, list[float]] = {}
-        fresh = {key: rows[len(rows) - self.unseen.get(key, 0):] for key, rows in every.items()}
-        # chosen by the measured throughputs, then scaled (the task's best is among them): scaled first, two
-        # throughputs a rounding apart could tie and bring back a program left out
+        # ranked as measured: no figure of _rank depends on a task's scale
+        fresh = {key: rows[len(rows) - self.unseen.get(key, 0):] for key, rows in self.data.items()}
+        # each task's throughputs divided by its best, so tasks of any size train one model: chosen by the
+        # measured throughputs, then scaled (the task's best is among them; scaled first, two throughputs a
+        # rounding apart could tie and bring back a program left out)
         data = {key: scaled_to_best(training_rows(rows, self._limit(key))) for key, rows in self.data.items()}
         if self.booster is not None and any(len(rows) >= 2 for rows in fresh.values()):
             per_task = self._rank(self.booster, fresh)
