@@ -43,6 +43,7 @@ from tensortune.flows.network_cli import (
     with_threads,
 )
 from tensortune.flows.tuned_network import GAP_WARNING
+from tensortune.search.cost_model import TASK_PROGRAMS
 
 console = Console(width=max(120, Console().width))
 
@@ -67,6 +68,11 @@ def tune(network: NetworkArg,
          retrain_every: Annotated[int, typer.Option(
              "--retrain-every", **at_least("--retrain-every", 1),
              help="Retrain the cost model every R rounds (1: after every round, as the library learns).")] = 1,
+         train_programs: Annotated[int, typer.Option(
+             "--train-programs", **at_least("--train-programs", 0),
+             help="Train the cost model on at most N programs of each task (its best quarter, then its newest) "
+                  "and N/4 of another network's task, so a retrain's cost stops growing with the nights "
+                  "(0: every stored program).")] = TASK_PROGRAMS,
          population: Annotated[Optional[int], typer.Option(
              "--population", **at_least("--population", 16),
              help="Evolutionary search population (TVM: 2048).")] = None,
@@ -142,7 +148,7 @@ def tune(network: NetworkArg,
                                       seed=seed, search=search, latency_target_ms=latency_target_ms,
                                       early_stopping_task=early_stopping, objective=objective,
                                       reference_ms=reference_ms, winograd_tiles=list(tiles) or None,
-                                      retime=retime, return_state=True)
+                                      retime=retime, train_programs=train_programs, return_state=True)
         if state.is_completed():
             _print_summary(state.result())
     except KeyboardInterrupt:

@@ -23,10 +23,12 @@ from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import (
     DEFAULT_OBJECTIVE,
     MIN_FIT_PROGRAMS,
+    TASK_PROGRAMS,
     WARMUP_PROGRAMS,
     CostModel,
     RandomModel,
     XGBModel,
+    training_bounds,
 )
 from tensortune.search.feature_pool import Featurizer
 from tensortune.search.helper_pool import HelperPool
@@ -90,20 +92,21 @@ class Trainer:
     default): every stored record of the target, of any network and any night, so a task never tuned
     before is ranked by a model that has seen the others (Ansor's one model for all tasks; its
     features describe a program's buffer accesses, not which task it belongs to, and the throughputs are
-    normalised per task); it trains on at most TASK_PROGRAMS programs of each of `tasks` and
-    OTHER_TASK_PROGRAMS of any other (search.cost_model.training_rows), so a retrain's cost stops growing
-    with the nights. A record of a task outside `tasks` is rebuilt from the task stored beside the
-    records (storage.tasks); one whose task was never stored (a store written before the task files) is
-    skipped and counted in `unknown`."""
+    normalised per task); it trains on at most `train_programs` programs of each of `tasks` and a quarter
+    as many of any other (search.cost_model.training_bounds, training_rows; 0: every program), so a
+    retrain's cost stops growing with the nights. A record of a task outside `tasks` is rebuilt from the
+    task stored beside the records (storage.tasks); one whose task was never stored (a store written
+    before the task files) is skipped and counted in `unknown`."""
 
     def __init__(self, tasks: Sequence[SearchTask], target: str, warmup: int = WARMUP_PROGRAMS, seed: int = 0,
                  features: Featurizer | None = None, transfer: bool = False, objective: str = DEFAULT_OBJECTIVE,
-                 cache_features: bool = True):
+                 cache_features: bool = True, train_programs: int = TASK_PROGRAMS):
         self.tasks = {t.workload_key: t for t in tasks}
         self.target, self.warmup, self.transfer = target, warmup, transfer
         # the model trains on the network's tasks' programs, and on a few of every other task's (XGBModel.focus)
+        mine, others = training_bounds(train_programs)
         self.xgb = XGBModel(num_warmup_sample=warmup, seed=seed, features=features, objective=objective,
-                            focus=list(self.tasks))
+                            focus=list(self.tasks), task_programs=mine, other_task_programs=others)
         self.seen: set[tuple[str, str]] = set()
         self.unknown: set[str] = set()             # workload keys with records but no stored task
         # each store's features (flows.stored_features), its cache read at the store's first read_new

@@ -44,7 +44,7 @@ from tensortune.flows.measure_targets import MeasureTarget, measure_node_targets
 from tensortune.flows.retrain import NewestModel, Trainer, load_newest, retrain
 from tensortune.flows.tuned_network import GAP_WARNING, TunedNetworkTiming, measure_tuned_network_job
 from tensortune.flows.tuning import RETIME_PROGRAMS, NetworkTuner, Proposal, Retiming, network_tasks, network_timing
-from tensortune.search.cost_model import WARMUP_PROGRAMS
+from tensortune.search.cost_model import TASK_PROGRAMS, WARMUP_PROGRAMS
 from tensortune.search.sketch_policy import SearchParams
 from tensortune.search.task_scheduler import INF_COST, Objective, network_objective
 from tensortune.storage.models import ModelStore
@@ -131,7 +131,8 @@ class Session:
     def __init__(self, tasks: list[SearchTask], network: str, records: RecordStore, measurer: Measurer,
                  params: SearchParams, strategy: str, seed: int, warmup: int, flow_run_id: str, trials: int,
                  objective: Objective | None = None, scheduler_options: dict[str, Any] | None = None,
-                 form_sets: Sequence[Sequence[int]] = (), retime: int = RETIME_PROGRAMS):
+                 form_sets: Sequence[Sequence[int]] = (), retime: int = RETIME_PROGRAMS,
+                 train_programs: int = TASK_PROGRAMS):
         self.tasks, self.network, self.records = tasks, network, records
         self.form_sets = [tuple(f) for f in form_sets]     # alternative forms of one group: one term
         self.target = tasks[0].target
@@ -143,8 +144,9 @@ class Session:
                                   form_sets=self.form_sets, retime=retime)
         self.policies, self.sched = self.tuner.policies, self.tuner.sched
         # the model learns from the stored records of the target (other networks, earlier nights; each task's
-        # best and newest: Trainer)
-        self.trainer = Trainer(tasks, self.target, warmup, seed, self.model.features, transfer=True)
+        # best and newest, at most train_programs: Trainer)
+        self.trainer = Trainer(tasks, self.target, warmup, seed, self.model.features, transfer=True,
+                               train_programs=train_programs)
         n = len(tasks)
         self.index = {t.workload_key: i for i, t in enumerate(tasks)}
         # each task's latest held-out (pairwise accuracy, recall@k) from the retrain step
@@ -355,11 +357,15 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
                seed: int = 0, search: SearchOptions | dict[str, Any] | None = None, flow_run_id: str = "",
                latency_target_ms: float | None = None, early_stopping_task: int | None = None,
                objective: str | None = None, reference_ms: float | None = None,
-               form_sets: Sequence[Sequence[int]] = (), retime: int = RETIME_PROGRAMS) -> dict[str, Any]:
+               form_sets: Sequence[Sequence[int]] = (), retime: int = RETIME_PROGRAMS,
+               train_programs: int = TASK_PROGRAMS) -> dict[str, Any]:
     """The rounds of one flow run (called inside a flow): returns the run's summary.
 
     retime: each resumed task's best stored programs timed again before the rounds (0: trust the stored
     timings, as TVM does; flows.tuning.retime_stored_bests).
+    train_programs: the most programs of each of these tasks a retrain trains the cost model on (its best
+    quarter, then its newest), a quarter as many of another network's task (0: every stored program;
+    search.cost_model.training_bounds).
     objective: what the task scheduler minimises, Ansor's f1 (weighted latency sum; the default), f2
     (max(latency, latency_target_ms): the default when a target is given) or f3 (geometric-mean speedup
     over reference_ms). latency_target_ms: the run stops once the estimate meets it, whatever the
@@ -375,6 +381,8 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
         raise ValueError(f"latency_target_ms must be positive, got {latency_target_ms}")
     if retime < 0:
         raise ValueError(f"retime must be 0 or more programs, got {retime}")
+    if train_programs < 0:
+        raise ValueError(f"train_programs must be 0 (every program) or more, got {train_programs}")
     params = search_options(search).params(per_round)
     store = RecordStore(records)
     if objective is None:
@@ -384,7 +392,7 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
                              reference_s=reference_ms / 1e3 if reference_ms is not None else None)
     s = Session(tasks, network, store, measurer, params, strategy, seed, model_warmup, flow_run_id, trials,
                 objective=goal, scheduler_options={"early_stopping_task": early_stopping_task},
-                form_sets=form_sets, retime=retime)
+                form_sets=form_sets, retime=retime, train_programs=train_programs)
     load_history(s)
     if retime:
         retime_stored_bests(s)
@@ -531,7 +539,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                       local_workers: int = 1, latency_target_ms: float | None = None,
                       early_stopping_task: int | None = None, time_network: bool = True,
                       objective: str | None = None, reference_ms: float | None = None,
-                      winograd_tiles: list[int] | None = None, retime: int = RETIME_PROGRAMS) -> dict[str, Any]:
+                      winograd_tiles: list[int] | None = None, retime: int = RETIME_PROGRAMS,
+                      train_programs: int = TASK_PROGRAMS) -> dict[str, Any]:
     """Tune a network's tasks for `trials` measurements, resuming from the record store, then build the
     network from the store's best records, check it and time it (time_network=False leaves that out).
 
@@ -545,7 +554,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
     early_stopping_task: trials without improvement after which a task gets no more; objective: f1, f2
     or f3 (see tune_tasks; f3 needs reference_ms, the latency to beat); winograd_tiles: also tune the
     Winograd form F(m x m, 3 x 3) of every eligible conv for these m (2, 4), the faster form is built;
-    retime: each resumed task's best stored programs timed again first (0: trust the stored timings).
+    retime: each resumed task's best stored programs timed again first (0: trust the stored timings);
+    train_programs: the most programs of a task each retrain trains on (0: every one; see tune_tasks).
     """
     options = {k: v for k, v in (("batch", batch), ("image_size", image_size), ("seq_len", seq_len),
                                  ("layers", layers), ("input_shapes", input_shapes)) if v is not None}
@@ -561,7 +571,8 @@ def tune_network_flow(network: str = "resnet-18", trials: int = 200, target: str
                              model_warmup=model_warmup, strategy=strategy, seed=seed, search=search,
                              flow_run_id=_flow_run_id(), latency_target_ms=latency_target_ms,
                              early_stopping_task=early_stopping_task, objective=objective,
-                             reference_ms=reference_ms, form_sets=net.form_sets(), retime=retime)
+                             reference_ms=reference_ms, form_sets=net.form_sets(), retime=retime,
+                             train_programs=train_programs)
         if time_network and tasks[0].target_kind == "llvm":
             measured = build_and_time_network(client, net, network, tasks[0].target, records,
                                               workers=where.workers)
@@ -579,7 +590,7 @@ def tune_op_flow(workload: str, args: list[Any], trials: int = 64, target: str =
                  retrain_every: int = 1, model_warmup: int = WARMUP_PROGRAMS, seed: int = 0,
                  search: SearchOptions | None = None,
                  timing: TimingOptions | None = None, local_workers: int = 1,
-                 retime: int = RETIME_PROGRAMS) -> dict[str, Any]:
+                 retime: int = RETIME_PROGRAMS, train_programs: int = TASK_PROGRAMS) -> dict[str, Any]:
     """One operator (a registered workload with its arguments) tuned through the same rounds."""
     from tensortune.codegen.target import make_task
     from tensortune.tasks.workload_registry import make_dag
@@ -591,7 +602,7 @@ def tune_op_flow(workload: str, args: list[Any], trials: int = 64, target: str =
                           measurer=_measurer(client, timing, where.workers), per_round=per_round,
                           retrain_every=retrain_every,
                           model_warmup=model_warmup, seed=seed, search=search, flow_run_id=_flow_run_id(),
-                          retime=retime)
+                          retime=retime, train_programs=train_programs)
 
 
 def _figure(x: object) -> str:

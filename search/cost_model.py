@@ -178,13 +178,13 @@ def pairwise_pairs(y: np.ndarray, groups: np.ndarray, partners: int, seed: int) 
     return np.concatenate(first), np.concatenate(second)
 
 
-def training_rows(rows: Sequence[tuple[ProgramInput, float]], limit: int) -> list[tuple[ProgramInput, float]]:
-    """At most `limit` of one task's (program, throughput) rows, in record order: the best quarter by
+def training_rows(rows: Sequence[tuple[ProgramInput, float]], limit: int | None) -> list[tuple[ProgramInput, float]]:
+    """At most `limit` (None: all) of one task's (program, throughput) rows, in record order: the best quarter by
     throughput, then the newest. The best keep the top of the order the model must get right, the newest
     are the region the search is in now. A program left out never comes back: new programs only push it
     down the order, and where the newest begin only moves on (a new program entering the best quarter
     pushes an older one out of it), so a task's training set changes only at its ends."""
-    if len(rows) <= limit:
+    if limit is None or len(rows) <= limit:
         return list(rows)
     keep = set(sorted(range(len(rows)), key=lambda i: -rows[i][1])[:limit // 4])
     for i in range(len(rows) - 1, -1, -1):
@@ -226,6 +226,15 @@ TASK_PROGRAMS = 256
 # task 0.655, 48 0.644, 32 0.638 (the best quarter and the newest; the best quarter and programs spread
 # over the task's history instead: 32 0.651, 48 0.646, 64 0.651)
 OTHER_TASK_PROGRAMS = 64
+
+
+def training_bounds(task_programs: int) -> tuple[int | None, int | None]:
+    """The bounds of XGBModel(task_programs=, other_task_programs=) from one figure, the flow's
+    `train_programs`: `task_programs` of a task the search tunes, a quarter as many (at least one) of any
+    other, as TASK_PROGRAMS and OTHER_TASK_PROGRAMS are; 0 bounds neither (every stored program trains)."""
+    if task_programs < 0:
+        raise ValueError(f"train_programs must be 0 (every program) or more, got {task_programs}")
+    return (task_programs, max(1, task_programs // 4)) if task_programs else (None, None)
 # Programs the model must have seen before its scores are used (at least MIN_FIT_PROGRAMS). TVM waits for 100,
 # so with rounds of 64 a task's first two rounds are drawn at random and a 128-trial search has no
 # model at all. Trusting it from its first fit found faster programs by 128 trials in six of six runs
@@ -242,17 +251,18 @@ class XGBModel(CostModel):
 
     def __init__(self, num_warmup_sample: int = WARMUP_PROGRAMS, seed: int = 0, holdout: float = 0.2, k: int = 10,
                  max_rounds: int | None = None, early_stopping: int = 50, features: Featurizer | None = None,
-                 objective: str = DEFAULT_OBJECTIVE, partners: int = 16, task_programs: int = TASK_PROGRAMS,
-                 focus: Sequence[str] | None = None):
+                 objective: str = DEFAULT_OBJECTIVE, partners: int = 16, task_programs: int | None = TASK_PROGRAMS,
+                 focus: Sequence[str] | None = None, other_task_programs: int | None = OTHER_TASK_PROGRAMS):
         if objective not in OBJECTIVES:
             raise ValueError(f"unknown cost-model objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
         self.objective, self.partners = objective, partners
         self.num_warmup_sample, self.seed, self.holdout, self.k = num_warmup_sample, seed, holdout, k
         self.max_rounds = max_rounds        # None: each objective's DEFAULT_ROUNDS (a blend's two their own)
         self.early_stopping = early_stopping
-        # what `fit` trains on, a task at most (training_rows): `task_programs` of a task in `focus` (None:
-        # every task), OTHER_TASK_PROGRAMS of any other; `data` keeps every program
+        # what `fit` trains on, a task at most (training_rows; None: every program): `task_programs` of a task
+        # in `focus` (None: every task), `other_task_programs` of any other; `data` keeps every program
         self.task_programs, self.focus = task_programs, None if focus is None else set(focus)
+        self.other_task_programs = other_task_programs
         self.booster: Any = None             # an xgboost.Booster once trained (a Blend of two: "blend")
         self.features = features or Featurizer()    # pass one in to share templates across versions
         self.data: dict[str, list[tuple[ProgramInput, float]]] = {}  # workload key -> [(program, throughput)]
@@ -292,9 +302,9 @@ class XGBModel(CostModel):
 
     # ------------------------------------------------------------------ training
 
-    def _limit(self, key: str) -> int:
-        """The most programs of task `key` that `fit` trains on."""
-        return self.task_programs if self.focus is None or key in self.focus else OTHER_TASK_PROGRAMS
+    def _limit(self, key: str) -> int | None:
+        """The most programs of task `key` that `fit` trains on (None: every one)."""
+        return self.task_programs if self.focus is None or key in self.focus else self.other_task_programs
 
     def _train(self, programs: list[tuple[ProgramInput, float]], groups: np.ndarray, x: np.ndarray | None = None):
         """A booster on `programs` (program, normalised throughput); `groups[i]` is program i's task; `x`

@@ -87,6 +87,7 @@ MISTAKES = [
     (["tune-op", "matmul", "--retime", "-1"], 2, "--retime must be at least 0, got -1"),
     (["run-network", "resnet-18", "--threads", "0"], 2, "--threads must be at least 1, got 0"),
     (["tune", "resnet-18", "--population", "8"], 2, "--population must be at least 16, got 8"),
+    (["tune", "resnet-18", "--train-programs", "-1"], 2, "--train-programs must be at least 0, got -1"),
     (["extract", "resnet-18", "--image-size", "0"], 2, "--image-size must be at least 1, got 0"),
     # a store that cannot be read fails before the work: no traceback after a build or a banner
     *[(argv, 1, f"record store {{{which}}} holds 1 file(s) that are not readable") for which in ("corrupt", "stray")

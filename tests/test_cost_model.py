@@ -21,6 +21,7 @@ from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import (
     OBJECTIVES,
     OTHER_TASK_PROGRAMS,
+    TASK_PROGRAMS,
     XGB_PARAMS,
     Blend,
     RandomModel,
@@ -28,6 +29,7 @@ from tensortune.search.cost_model import (
     pairwise_accuracy,
     pairwise_pairs,
     recall_at_k,
+    training_bounds,
     training_rows,
 )
 from tensortune.search.feature import FeatureExtractor, FeatureTemplate, state_numbers
@@ -220,14 +222,28 @@ def test_a_task_trains_on_its_best_quarter_then_its_newest_and_a_program_left_ou
 
 def test_fit_trains_on_at_most_its_limit_of_each_task(measured):
     """48 programs of one task: a model trains on `task_programs` of them where the task is its focus (or
-    it has none), and OTHER_TASK_PROGRAMS of a task outside its focus."""
+    it has none), and `other_task_programs` (OTHER_TASK_PROGRAMS) of a task outside its focus; None bounds
+    nothing."""
     task, cands, costs = measured
-    for kw, expected in [({}, 48), ({"task_programs": 16}, 16),
+    for kw, expected in [({}, 48), ({"task_programs": 16}, 16), ({"task_programs": 1}, 1),
                          ({"task_programs": 16, "focus": [task.workload_key]}, 16),
-                         ({"task_programs": 16, "focus": ["another task"]}, min(48, OTHER_TASK_PROGRAMS))]:
+                         ({"task_programs": 16, "focus": ["another task"]}, min(48, OTHER_TASK_PROGRAMS)),
+                         ({"task_programs": 16, "focus": ["another task"], "other_task_programs": 8}, 8),
+                         ({"task_programs": 8, "focus": ["another task"], "other_task_programs": None}, 48),
+                         ({"task_programs": None, "focus": [task.workload_key], "other_task_programs": 8}, 48),
+                         ({"task_programs": 16, "focus": [task.workload_key], "other_task_programs": None}, 16)]:
         model = XGBModel(num_warmup_sample=0, objective="regression", **kw)
         model.add(task, cands[:48], costs[:48])
         assert model.fit().n_programs == expected and model.n_programs == 48, kw
+
+
+def test_one_figure_bounds_a_tuned_task_and_a_quarter_of_it_any_other():
+    """The flow's train_programs: the defaults from the default, 0 bounds nothing, a bound never 0."""
+    assert training_bounds(TASK_PROGRAMS) == (TASK_PROGRAMS, OTHER_TASK_PROGRAMS)
+    assert training_bounds(0) == (None, None)
+    assert training_bounds(1000) == (1000, 250) and training_bounds(3) == (3, 1)
+    with pytest.raises(ValueError, match="train_programs"):
+        training_bounds(-1)
 
 
 def test_a_training_reports_how_the_model_before_it_ranked_each_tasks_new_programs(measured):

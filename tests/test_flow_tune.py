@@ -158,9 +158,13 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     assert set(frame.loc[frame["round"] < 2, "model_version"]) == {""}
     assert set(frame.loc[frame["round"] >= 2, "model_version"]) == {first_model}
 
+    assert (models["metric.n_programs"] == models["record_count"]).all()     # 16 a task at most: all trained
+
     # second run: resumes; times each task's three best stored programs again first, measures no new
-    # program twice, and starts from the stored bests as timed now
-    state2 = tune_network_flow(network, trials=16, records=records, cluster=address, return_state=True, **SMALL)
+    # program twice, and starts from the stored bests as timed now; its models train on at most 12 programs
+    # of a task (--train-programs)
+    state2 = tune_network_flow(network, trials=16, records=records, cluster=address, return_state=True,
+                               train_programs=12, **SMALL)
     assert state2.is_completed(), state2
     second = state2.result()
     frame2 = store.read()
@@ -188,7 +192,9 @@ def test_flow_tunes_a_two_task_network_loses_no_record_and_resumes(tmp_path, pre
     assert any(n.startswith("retime-stored-bests") for n in names2), names2
     assert [r["trials (total)"] for r in second["tasks"]] == [
         a["trials (total)"] + b["trials (this run)"] for a, b in zip(first["tasks"], second["tasks"])]
-    assert len(ModelStore(records).list()) >= 3                # retrained at the start from the history
+    models2 = ModelStore(records).list().iloc[len(models):]
+    assert len(models2) >= 2 and models2["record_count"].iloc[0] == 32     # retrained at the start from the history
+    assert (models2["metric.n_programs"] == 2 * 12).all()                  # ... on 12 of each task's 24 or more
 
     # third run: every task has a stored program (no warm-up round is owed) and the estimate already meets
     # the latency target, so the run measures nothing of its 64 trials

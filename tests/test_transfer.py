@@ -59,15 +59,13 @@ def test_a_write_in_flight_is_never_read(tuned):
     assert len(TaskStore(root).descriptions()) == 2
 
 
-def test_with_transfer_the_trainer_learns_from_every_task_of_the_target(tuned, monkeypatch):
+def test_with_transfer_the_trainer_learns_from_every_task_of_the_target(tuned):
     """... and trains on a few programs of a task the network does not have (here at most 8 of other's 24:
-    OTHER_TASK_PROGRAMS made small), all of its own task's."""
-    from tensortune.search import cost_model
-    monkeypatch.setattr(cost_model, "OTHER_TASK_PROGRAMS", 8)
+    train_programs=32 bounds another network's task to a quarter of that), all of its own task's."""
     root, store, other, mine = tuned
     alone = Trainer([mine], mine.target, warmup=8, transfer=False)
     assert alone.read_new(store) == TRIALS
-    both = Trainer([mine], mine.target, warmup=8, transfer=True)
+    both = Trainer([mine], mine.target, warmup=8, transfer=True, train_programs=32)
     assert both.read_new(store) == 2 * TRIALS
     assert set(both.xgb.data) == {other.workload_key, mine.workload_key}
     report = retrain(both, store, ModelStore(root), NewestModel())
