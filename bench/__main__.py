@@ -5,7 +5,7 @@ import importlib
 import sys
 
 SUITES = ("codegen", "tune", "space", "network", "transfer", "first_round", "storage", "pipeline", "ceiling", "search",
-          "timing")
+          "timing", "retrain")
 
 
 def main(argv: list[str]) -> int:
