@@ -335,8 +335,15 @@ def environment(threads: int | None = None, peak: bool = True) -> dict:
         # the best run is the peak every fraction divides by; the median run says how far this VM's
         # lent vCPUs fall below it meanwhile (docs/performance.md, "The bar on an Intel Xeon VM": 0.83-0.96)
         env["fma_peak_gflops"], env["fma_peak_median_gflops"] = {}, {}
+        env["fma_peak_retries"] = 0
+        one = 0.0
         for t in sorted({1, threads or 1}):
             runs = fma_peak_runs(t)
+            while t > 1 and max(runs) < PEAK_SCALING_DOUBT * t * one and env["fma_peak_retries"] < PEAK_RETRIES:
+                env["fma_peak_retries"] += 1
+                time.sleep(PEAK_RETRY_GAP_S)
+                runs = max(runs, fma_peak_runs(t), key=max)
+            one = one or max(runs)
             env["fma_peak_gflops"][str(t)], env["fma_peak_median_gflops"][str(t)] = max(runs), statistics.median(runs)
     return env
 
@@ -412,6 +419,16 @@ attributes #0 = { nounwind "target-cpu"="CPU" "target-features"="FEATURES" "pref
 # the Zen 4 VM: a 2-thread "peak" of 187 GFLOP/s in a run whose kernels then reached 209-221 (the
 # machine's 222-234 otherwise; 2026-11-28). Spread over a second, one spell no longer covers them all.
 PEAK_RUN_GAP_S = 0.05
+
+
+# A peak on t threads below this fraction of t times the one-thread peak is measured again (at most
+# PEAK_RETRIES times, PEAK_RETRY_GAP_S apart, keeping the better set of runs): on the Zen 4 VM (2026-11-30)
+# all 20 runs on 2 threads once read 117 GFLOP/s, the one-thread figure, a second in which one vCPU was
+# the host's, and that run's kernels then reached 218, "1.82 of peak". Where two threads share a core's
+# FMA units (SMT) the peak does not scale, and the retries only cost their seconds.
+PEAK_SCALING_DOUBT = 0.75
+PEAK_RETRIES = 3
+PEAK_RETRY_GAP_S = 2.0
 
 
 def fma_peak_runs(threads: int, runs: int = 20, gap_s: float = PEAK_RUN_GAP_S) -> list[float]:

@@ -52,3 +52,22 @@ def test_every_benchmark_records_the_peaks_median_run_beside_its_best(monkeypatc
     env = common.environment(2)
     assert env["fma_peak_gflops"] == {"1": 30.0, "2": 80.0}
     assert env["fma_peak_median_gflops"] == {"1": 20.0, "2": 60.0}
+
+
+def test_a_peak_that_does_not_scale_with_the_threads_is_measured_again(monkeypatch):
+    """A 2-thread peak at the 1-thread figure (a vCPU held by the host through all the runs) is measured
+    again after a pause, the better set kept; one that never scales (SMT) is retried PEAK_RETRIES times."""
+    import bench.common as common
+    monkeypatch.setattr(common, "lost_cpu_fraction", lambda threads: {"lost": 0.0, "worst_gap_ms": 0.0,
+                                                                       "threads": threads, "seconds": 0.0})
+    monkeypatch.setattr(common, "PEAK_RETRY_GAP_S", 0.0)
+    runs = iter([[100.0, 110.0], [100.0, 115.0], [200.0, 210.0, 220.0]])
+    monkeypatch.setattr(common, "fma_peak_runs", lambda threads: next(runs))
+    env = common.environment(2)
+    assert env["fma_peak_gflops"] == {"1": 110.0, "2": 220.0} and env["fma_peak_median_gflops"]["2"] == 210.0
+    assert env["fma_peak_retries"] == 1
+    calls = []
+    monkeypatch.setattr(common, "fma_peak_runs", lambda threads: calls.append(threads) or [100.0 + len(calls)])
+    env = common.environment(2)
+    assert calls == [1, 2, 2, 2, 2] and env["fma_peak_retries"] == common.PEAK_RETRIES
+    assert env["fma_peak_gflops"] == {"1": 101.0, "2": 105.0}
