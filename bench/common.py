@@ -219,6 +219,15 @@ class Stopwatch:
 
 # ---------------------------------------------------------------------------------- threads
 
+def missing_folder(option: str, paths: Sequence[str]) -> bool:
+    """True, after one error line naming it, where one of `paths` (given as `option`) is not a folder: a
+    store a benchmark reads must be there before anything starts."""
+    missing = [p for p in paths if not os.path.isdir(p)]
+    if missing:
+        print(f"error: {option} {missing[0]}: no such folder", file=sys.stderr)
+    return bool(missing)
+
+
 def llvm_target(threads: int) -> str:
     """Our kernels' target for `threads` threads (compiled into every parallel loop)."""
     return f"llvm -num-threads={threads}"

@@ -19,7 +19,7 @@ import os
 import statistics
 import sys
 
-from bench.common import Stopwatch, environment, llvm_target, print_table, write_json
+from bench.common import Stopwatch, environment, llvm_target, missing_folder, print_table, write_json
 from tensortune.search.cost_model import TASK_PROGRAMS
 
 
@@ -50,9 +50,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the environment and the rows to this JSON file")
     args = ap.parse_args(argv)
-    missing = [p for p in args.history if not os.path.isdir(p)]
-    if missing:
-        print(f"error: --history {missing[0]}: no such folder", file=sys.stderr)
+    if missing_folder("--history", args.history):
         return 2
     for name in ("threads", "train_programs", "per_round", "repeats"):
         if getattr(args, name) < 1:

@@ -18,7 +18,7 @@ import os
 import statistics
 import sys
 
-from bench.common import environment, llvm_target, print_table, write_json
+from bench.common import environment, llvm_target, missing_folder, print_table, write_json
 from tensortune.search.cost_model import DEFAULT_MODEL, MODEL_OBJECTIVES
 from tensortune.tasks.winograd import parse_tiles
 
@@ -44,8 +44,7 @@ def main(argv: list[str]) -> int:
                     help="the cost model the tuners train on the store and score with")
     ap.add_argument("--json", help="write the environment and the rows to this JSON file")
     args = ap.parse_args(argv)
-    if not os.path.isdir(args.records):
-        print(f"error: --records {args.records}: no such folder", file=sys.stderr)
+    if missing_folder("--records", [args.records]):
         return 2
     for name in ("trials", "threads", "population", "passes"):
         if getattr(args, name) < 1:

@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from bench.common import Stopwatch, environment, llvm_target, print_table, write_json
+from bench.common import Stopwatch, environment, llvm_target, missing_folder, print_table, write_json
 from bench.network import take_turns, trials_to_reach
 from tensortune.search.cost_model import DEFAULT_MODEL
 
@@ -114,9 +114,7 @@ def main(argv: list[str]) -> int:
                          "tuned from scratch, only the model carries the history")
     ap.add_argument("--json", help="write the environment and the row to this JSON file")
     args = ap.parse_args(argv)
-    missing = [p for p in args.history if not os.path.isdir(p)]
-    if missing:
-        print(f"error: --history {missing[0]}: no such folder", file=sys.stderr)
+    if missing_folder("--history", args.history):
         return 2
     if args.trials < 1 or args.per_round < 1:
         print(f"error: --trials and --per-round must be at least 1, got {args.trials} and {args.per_round}",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from bench.common import (
     in_process,
     limit_threads,
     llvm_target,
+    missing_folder,
     print_table,
     read_json_rows,
     threads_used,
@@ -367,9 +367,7 @@ def main(argv: list[str]) -> int:
     if args.target.startswith("cuda"):
         from bench import tune_cuda
         return tune_cuda.main(argv)
-    missing = [p for p in args.history if not os.path.isdir(p)]
-    if missing:
-        print(f"error: --history {missing[0]}: no such folder", file=sys.stderr)
+    if missing_folder("--history", args.history):
         return 2
     if args.confirm < 0:
         print(f"error: --confirm {args.confirm}: give 0 or more timings", file=sys.stderr)
