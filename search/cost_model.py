@@ -226,6 +226,14 @@ TASK_PROGRAMS = 256
 # task 0.655, 48 0.644, 32 0.638 (the best quarter and the newest; the best quarter and programs spread
 # over the task's history instead: 32 0.651, 48 0.646, 64 0.651)
 OTHER_TASK_PROGRAMS = 64
+# Programs the model must have seen before its scores are used (at least MIN_FIT_PROGRAMS). TVM waits for 100,
+# so with rounds of 64 a task's first two rounds are drawn at random and a 128-trial search has no
+# model at all. Trusting it from its first fit found faster programs by 128 trials in six of six runs
+# in rounds of 32 against TVM's 100 in rounds of 64 (Zen 5, 2026-11-25; matmul 1024^3 / ResNet-18
+# conv, seeds 0-2: 381 -> 449 and 300 -> 350 GFLOP/s on average), and in two of four in rounds of 64
+# (one slower, one even; docs/performance.md, "Fewer trials"): a model fitted on a few dozen programs already ranks
+# better than chance, and eps-greedy keeps drawing random programs beside it.
+WARMUP_PROGRAMS = 0
 
 
 def training_bounds(task_programs: int) -> tuple[int | None, int | None]:
@@ -235,14 +243,6 @@ def training_bounds(task_programs: int) -> tuple[int | None, int | None]:
     if task_programs < 0:
         raise ValueError(f"train_programs must be 0 (every program) or more, got {task_programs}")
     return (task_programs, max(1, task_programs // 4)) if task_programs else (None, None)
-# Programs the model must have seen before its scores are used (at least MIN_FIT_PROGRAMS). TVM waits for 100,
-# so with rounds of 64 a task's first two rounds are drawn at random and a 128-trial search has no
-# model at all. Trusting it from its first fit found faster programs by 128 trials in six of six runs
-# in rounds of 32 against TVM's 100 in rounds of 64 (Zen 5, 2026-11-25; matmul 1024^3 / ResNet-18
-# conv, seeds 0-2: 381 -> 449 and 300 -> 350 GFLOP/s on average), and in two of four in rounds of 64
-# (one slower, one even; docs/performance.md, "Fewer trials"): a model fitted on a few dozen programs already ranks
-# better than chance, and eps-greedy keeps drawing random programs beside it.
-WARMUP_PROGRAMS = 0
 
 
 class XGBModel(CostModel):
