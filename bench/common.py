@@ -217,8 +217,6 @@ class Stopwatch:
         return time.perf_counter() - self.start
 
 
-# ---------------------------------------------------------------------------------- threads
-
 def missing_folder(option: str, paths: Sequence[str]) -> bool:
     """True, after one error line naming it, where one of `paths` (given as `option`) is not a folder: a
     store a benchmark reads must be there before anything starts."""
@@ -227,6 +225,8 @@ def missing_folder(option: str, paths: Sequence[str]) -> bool:
         print(f"error: {option} {missing[0]}: no such folder", file=sys.stderr)
     return bool(missing)
 
+
+# ---------------------------------------------------------------------------------- threads
 
 def llvm_target(threads: int) -> str:
     """Our kernels' target for `threads` threads (compiled into every parallel loop)."""
