@@ -320,7 +320,8 @@ def _git_commit() -> str:
 
 def environment(threads: int | None = None, peak: bool = True) -> dict:
     """Machine (lscpu model name, LLVM's host CPU, cores), versions, the FMA peak on 1 and `threads`
-    threads, the command line and the date: what a reader needs to check a result."""
+    threads (measured again where it does not scale with them: PEAK_SCALING_DOUBT, `fma_peak_retries`),
+    the command line and the date: what a reader needs to check a result."""
     import llvmlite.binding as llvm
     llvm.initialize_native_target()
     try:
@@ -433,7 +434,7 @@ PEAK_RUN_GAP_S = 0.05
 # A peak on t threads below this fraction of t times the one-thread peak is measured again (at most
 # PEAK_RETRIES times, PEAK_RETRY_GAP_S apart, keeping the better set of runs): on the Zen 4 VM (2026-11-30)
 # all 20 runs on 2 threads once read 117 GFLOP/s, the one-thread figure, a second in which one vCPU was
-# the host's, and that run's kernels then reached 218, "1.82 of peak". Where two threads share a core's
+# the host's, and that run's best kernel re-timed at 213.5, "1.82 of peak". Where two threads share a core's
 # FMA units (SMT) the peak does not scale, and the retries only cost their seconds.
 PEAK_SCALING_DOUBT = 0.75
 PEAK_RETRIES = 3

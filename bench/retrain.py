@@ -3,7 +3,7 @@
 The flow retrains the cost model after every round from its record store (flows.retrain.Trainer): every
 stored program of the network's tasks and, with transfer, of every other task of the target. A nightly
 store only grows, so without a bound every night made every round's retrain slower; the bound
-(search.cost_model.training_rows; `tensortune tune --train-programs N`: N programs of a tuned task, N/4
+(search.training_set; `tensortune tune --train-programs N`: N programs of a tuned task, N/4
 of another's) is meant to stop that. This suite reads the `--history` stores once as the flow's Trainer
 does, focused on NETWORK's tasks, then times the retrain of one round on that history repeated as if
 each program had been measured on each of N nights (`--nights`): the model before it ranks the round's
@@ -20,7 +20,7 @@ import statistics
 import sys
 
 from bench.common import Stopwatch, environment, llvm_target, missing_folder, print_table, write_json
-from tensortune.search.cost_model import TASK_PROGRAMS
+from tensortune.search.training_set import TASK_PROGRAMS
 
 
 def nights_list(text: str) -> list[int]:
@@ -52,15 +52,16 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if missing_folder("--history", args.history):
         return 2
-    for name in ("threads", "train_programs", "per_round", "repeats"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}",
+    for name, low in (("threads", 1), ("train_programs", 1), ("per_round", 2), ("repeats", 1)):
+        if getattr(args, name) < low:
+            print(f"error: --{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}",
                   file=sys.stderr)
             return 2
 
     from tensortune.flows.retrain import Trainer
     from tensortune.flows.tuning import network_tasks
-    from tensortune.search.cost_model import XGBModel, training_bounds
+    from tensortune.search.cost_model import MIN_FIT_PROGRAMS, XGBModel
+    from tensortune.search.training_set import training_bounds
     from tensortune.storage.records import RecordStore
     from tensortune.tasks.graph_ops import GraphError
     try:
@@ -79,9 +80,14 @@ def main(argv: list[str]) -> int:
         print(f"error: no records of {args.network}'s tasks for {target} in {', '.join(args.history)}",
               file=sys.stderr)
         return 2
-    # the round the retrain follows: the newest programs of the network's task with the most
+    # the round the retrain follows: the newest programs of the network's task with the most (fit ranks a
+    # task's new programs only where it has two; with fewer it would split the history, two trainings)
     newest = max(mine, key=lambda key: len(history[key]))
     programs = sum(map(len, history.values()))
+    if len(history[newest]) < 2 or programs < MIN_FIT_PROGRAMS:
+        print(f"error: {programs} programs in {', '.join(args.history)} are too few to time a retrain on "
+              f"(at least {MIN_FIT_PROGRAMS}, two of them of one of {args.network}'s tasks)", file=sys.stderr)
+        return 2
     env = environment(args.threads, peak=False)
     print(f"history: {programs} programs of {len(history)} tasks ({len(mine)} of {args.network}'s) read in "
           f"{read_watch.seconds:.1f} s; the round: {min(args.per_round, len(history[newest]))} programs of "
@@ -99,6 +105,7 @@ def main(argv: list[str]) -> int:
             models[label] = model
         seconds: dict[str, list[float]] = {label: [] for label in sides}
         trained: dict[str, int] = {}
+        ranked: dict[str, dict[str, int]] = {}
         for r in range(args.repeats):
             for label in (list(sides) if r % 2 == 0 else list(reversed(sides))):
                 model = models[label]
@@ -106,11 +113,15 @@ def main(argv: list[str]) -> int:
                 with Stopwatch() as watch:
                     metrics = model.fit()
                 seconds[label].append(watch.seconds)
-                trained[label] = metrics.n_programs if metrics is not None else 0
+                assert metrics is not None, "a model with a history to train on trains"
+                trained[label] = metrics.n_programs
+                # what the model before ranked: the round's programs (the flow's path, one training), not a
+                # held-out split of every task (two)
+                ranked[label] = {trainer.tasks[key].name: int(n) for key, (_, _, n) in metrics.per_task.items()}
         for label in sides:
             rows.append({"nights": nights, "history_programs": programs * nights, "training": label,
-                         "trained_programs": trained[label], "retrain_s": statistics.median(seconds[label]),
-                         "retrain_s_runs": seconds[label]})
+                         "trained_programs": trained[label], "ranked_programs": ranked[label],
+                         "retrain_s": statistics.median(seconds[label]), "retrain_s_runs": seconds[label]})
         print(f"{nights} night(s): " + ", ".join(f"{label} {statistics.median(seconds[label]):.2f} s "
                                                  f"({trained[label]} trained)" for label in sides), flush=True)
     print_table(rows, ["nights", "history_programs", "training", "trained_programs", "retrain_s"])

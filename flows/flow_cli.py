@@ -43,7 +43,7 @@ from tensortune.flows.network_cli import (
     with_threads,
 )
 from tensortune.flows.tuned_network import GAP_WARNING
-from tensortune.search.cost_model import TASK_PROGRAMS
+from tensortune.search.training_set import TASK_PROGRAMS
 
 console = Console(width=max(120, Console().width))
 
@@ -71,8 +71,8 @@ def tune(network: NetworkArg,
          train_programs: Annotated[int, typer.Option(
              "--train-programs", **at_least("--train-programs", 0),
              help="Train the cost model on at most N programs of each task (its best quarter, then its newest) "
-                  "and N/4 of another network's task, so a retrain's cost stops growing with the nights "
-                  "(0: every stored program).")] = TASK_PROGRAMS,
+                  "and a quarter as many (at least 1) of another network's task, so a retrain's cost stops "
+                  "growing with the nights (0: every stored program).")] = TASK_PROGRAMS,
          population: Annotated[Optional[int], typer.Option(
              "--population", **at_least("--population", 16),
              help="Evolutionary search population (TVM: 2048).")] = None,

@@ -23,15 +23,14 @@ from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import (
     DEFAULT_OBJECTIVE,
     MIN_FIT_PROGRAMS,
-    TASK_PROGRAMS,
     WARMUP_PROGRAMS,
     CostModel,
     RandomModel,
     XGBModel,
-    training_bounds,
 )
 from tensortune.search.feature_pool import Featurizer
 from tensortune.search.helper_pool import HelperPool
+from tensortune.search.training_set import TASK_PROGRAMS, training_bounds
 from tensortune.storage.feature_cache import Key
 from tensortune.storage.models import ModelStore
 from tensortune.storage.records import RecordStore
@@ -93,7 +92,7 @@ class Trainer:
     before is ranked by a model that has seen the others (Ansor's one model for all tasks; its
     features describe a program's buffer accesses, not which task it belongs to, and the throughputs are
     normalised per task); it trains on at most `train_programs` programs of each of `tasks` and a quarter
-    as many of any other (search.cost_model.training_bounds, training_rows; 0: every program), so a
+    as many of any other (search.training_set; 0: every program), so a
     retrain's cost stops growing with the nights. A record of a task outside `tasks` is rebuilt from the
     task stored beside the records (storage.tasks); one whose task was never stored (a store written
     before the task files) is skipped and counted in `unknown`."""

@@ -44,9 +44,10 @@ from tensortune.flows.measure_targets import MeasureTarget, measure_node_targets
 from tensortune.flows.retrain import NewestModel, Trainer, load_newest, retrain
 from tensortune.flows.tuned_network import GAP_WARNING, TunedNetworkTiming, measure_tuned_network_job
 from tensortune.flows.tuning import RETIME_PROGRAMS, NetworkTuner, Proposal, Retiming, network_tasks, network_timing
-from tensortune.search.cost_model import TASK_PROGRAMS, WARMUP_PROGRAMS
+from tensortune.search.cost_model import WARMUP_PROGRAMS
 from tensortune.search.sketch_policy import SearchParams
 from tensortune.search.task_scheduler import INF_COST, Objective, network_objective
+from tensortune.search.training_set import TASK_PROGRAMS
 from tensortune.storage.models import ModelStore
 from tensortune.storage.records import DEFAULT_ROOT, RecordStore
 from tensortune.tasks.extract import NetworkTasks
@@ -365,7 +366,7 @@ def tune_tasks(tasks: list[SearchTask], *, network: str, trials: int, records: s
     timings, as TVM does; flows.tuning.retime_stored_bests).
     train_programs: the most programs of each of these tasks a retrain trains the cost model on (its best
     quarter, then its newest), a quarter as many of another network's task (0: every stored program;
-    search.cost_model.training_bounds).
+    search.training_set).
     objective: what the task scheduler minimises, Ansor's f1 (weighted latency sum; the default), f2
     (max(latency, latency_target_ms): the default when a target is given) or f3 (geometric-mean speedup
     over reference_ms). latency_target_ms: the run stops once the estimate meets it, whatever the
@@ -591,7 +592,8 @@ def tune_op_flow(workload: str, args: list[Any], trials: int = 64, target: str =
                  search: SearchOptions | None = None,
                  timing: TimingOptions | None = None, local_workers: int = 1,
                  retime: int = RETIME_PROGRAMS, train_programs: int = TASK_PROGRAMS) -> dict[str, Any]:
-    """One operator (a registered workload with its arguments) tuned through the same rounds."""
+    """One operator (a registered workload with its arguments) tuned through the same rounds (retime,
+    train_programs: as tune_network_flow's)."""
     from tensortune.codegen.target import make_task
     from tensortune.tasks.workload_registry import make_dag
     with dask_client(_cluster_address(cluster), n_workers=local_workers,

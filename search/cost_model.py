@@ -27,6 +27,7 @@ from tensortune.search.feature_pool import Featurizer
 from tensortune.search.helper_pool import HelperPool
 from tensortune.search.knobs import knob_vector
 from tensortune.search.program_row import program_rows
+from tensortune.search.training_set import OTHER_TASK_PROGRAMS, TASK_PROGRAMS, training_rows
 from tensortune.tasks.search_task import SearchTask
 
 log = logging.getLogger("tensortune.search")
@@ -178,22 +179,6 @@ def pairwise_pairs(y: np.ndarray, groups: np.ndarray, partners: int, seed: int) 
     return np.concatenate(first), np.concatenate(second)
 
 
-def training_rows(rows: Sequence[tuple[ProgramInput, float]], limit: int | None) -> list[tuple[ProgramInput, float]]:
-    """At most `limit` (None: all) of one task's (program, throughput) rows, in record order: the best quarter by
-    throughput, then the newest. The best keep the top of the order the model must get right, the newest
-    are the region the search is in now. A program left out never comes back: new programs only push it
-    down the order, and where the newest begin only moves on (a new program entering the best quarter
-    pushes an older one out of it), so a task's training set changes only at its ends."""
-    if limit is None or len(rows) <= limit:
-        return list(rows)
-    keep = set(sorted(range(len(rows)), key=lambda i: -rows[i][1])[:limit // 4])
-    for i in range(len(rows) - 1, -1, -1):
-        if len(keep) == limit:
-            break
-        keep.add(i)
-    return [rows[i] for i in sorted(keep)]
-
-
 def pairwise_accuracy(pred: np.ndarray, true: np.ndarray) -> float:
     i, j = np.triu_indices(len(true), 1)
     keep = true[i] != true[j]
@@ -211,21 +196,6 @@ def recall_at_k(pred: np.ndarray, true: np.ndarray, k: int) -> float:
 
 # the fewest programs `fit` trains on
 MIN_FIT_PROGRAMS = 8
-# The most programs of a task `fit` trains on (training_rows: its best quarter, then its newest). The flow
-# retrains every round from the whole store, so without a bound every night made every round's retrain
-# slower (a blend's fit on two network stores' 3 000 programs 2.1 s, repeated as 12 000 4.2 s, 48 000 12.2 s;
-# bounded 1.9, 2.4, 2.5 s; Zen 4). More than this many programs of one task did not order its next round
-# better: online on a 2 048-program conv history (the model before each of rounds 17-32 ordering that
-# round's programs, seeds 0-1) all programs 0.760, at most 1024 0.770, 512 0.758, 256 0.759, 128 0.749, 64
-# 0.748; a model of all programs but a round old (retraining less often) 0.755, four rounds old 0.738
-# (docs/performance.md, "A bounded training history").
-TASK_PROGRAMS = 256
-# ... of a task the search is not tuning (`focus`), whose programs teach the model what programs of other
-# tasks are worth (transfer). Each of 50 network tasks left out whole in turn, ranked by a model of the
-# other tasks' programs (two 1500-trial stores, 45-128 programs a task): all of them 0.661, at most 64 a
-# task 0.655, 48 0.644, 32 0.638 (the best quarter and the newest; the best quarter and programs spread
-# over the task's history instead: 32 0.651, 48 0.646, 64 0.651)
-OTHER_TASK_PROGRAMS = 64
 # Programs the model must have seen before its scores are used (at least MIN_FIT_PROGRAMS). TVM waits for 100,
 # so with rounds of 64 a task's first two rounds are drawn at random and a 128-trial search has no
 # model at all. Trusting it from its first fit found faster programs by 128 trials in six of six runs
@@ -234,15 +204,6 @@ OTHER_TASK_PROGRAMS = 64
 # (one slower, one even; docs/performance.md, "Fewer trials"): a model fitted on a few dozen programs already ranks
 # better than chance, and eps-greedy keeps drawing random programs beside it.
 WARMUP_PROGRAMS = 0
-
-
-def training_bounds(task_programs: int) -> tuple[int | None, int | None]:
-    """The bounds of XGBModel(task_programs=, other_task_programs=) from one figure, the flow's
-    `train_programs`: `task_programs` of a task the search tunes, a quarter as many (at least one) of any
-    other, as TASK_PROGRAMS and OTHER_TASK_PROGRAMS are; 0 bounds neither (every stored program trains)."""
-    if task_programs < 0:
-        raise ValueError(f"train_programs must be 0 (every program) or more, got {task_programs}")
-    return (task_programs, max(1, task_programs // 4)) if task_programs else (None, None)
 
 
 class XGBModel(CostModel):

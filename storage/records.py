@@ -258,7 +258,7 @@ class RecordStore:
         """Columns workload_key, steps, mean_latency, flops, error_code of every record (errors
         included: the trainer decides what to do with them), oldest first: files are listed in no time
         order (part files are named by uuid, compaction puts each task's best rows first), and a trainer
-        that keeps a task's newest programs (search.cost_model.training_rows) must know which they are.
+        that keeps a task's newest programs (search.training_set.training_rows) must know which they are.
         Records of one time keep their order in the files."""
         columns = ["workload_key", "steps", "mean_latency", "flops", "error_code"]
         table = self._scanner.scan([*columns, "timestamp"], _match("workload_key", workload_keys),

@@ -18,6 +18,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"error: --history {tmp_path / 'missing'}: no such folder"
     assert main(["--history", str(tmp_path), "--repeats", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --repeats must be at least 1, got 0"
+    assert main(["--history", str(tmp_path), "--per-round", "1"]) == 2       # one new program is not ranked
+    assert capsys.readouterr().err.strip() == "error: --per-round must be at least 2, got 1"
     assert main(["--history", str(tmp_path), "--image-size", "32"]) == 2           # an empty store
     assert capsys.readouterr().err.strip().startswith("error: no records of resnet-18's tasks for ")
     with pytest.raises(SystemExit):
@@ -44,4 +46,17 @@ def test_the_bound_keeps_a_tasks_programs_however_many_nights_and_every_program_
     assert got == [(1, 60, "8 a task", 16), (1, 60, "every program", 60),
                    (3, 180, "8 a task", 16), (3, 180, "every program", 180)]
     assert all(len(r["retrain_s_runs"]) == 2 and min(r["retrain_s_runs"]) > 0 for r in doc["rows"])
+    # each timed retrain ranked the round's 10 programs (the flow's path), not a held-out split of both tasks
+    assert all(r["ranked_programs"] == {tasks[1].name: 10} for r in doc["rows"]), doc["rows"]
     assert "3 night(s): 8 a task" in capsys.readouterr().out
+
+
+def test_a_history_too_small_to_time_is_one_line(tmp_path, capsys):
+    """One stored program: no retrain to time (fit needs MIN_FIT_PROGRAMS, and two of the round's task)."""
+    _, tasks = network_tasks("resnet-18", "llvm -num-threads=2", image_size=32)
+    programs = SketchPolicy(tasks[1], seed=3).sample(1)
+    RecordStore(str(tmp_path / "records")).append(to_records(tasks[1], programs, [MeasureResult([1e-4], 0)],
+                                                             round_=0))
+    assert main(["--history", str(tmp_path / "records"), "--image-size", "32"]) == 2
+    assert capsys.readouterr().err.strip().endswith("are too few to time a retrain on (at least 8, two of them "
+                                                    "of one of resnet-18's tasks)")

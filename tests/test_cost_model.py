@@ -20,8 +20,6 @@ from tensortune.schedule.state import State
 from tensortune.search.candidate import Candidate
 from tensortune.search.cost_model import (
     OBJECTIVES,
-    OTHER_TASK_PROGRAMS,
-    TASK_PROGRAMS,
     XGB_PARAMS,
     Blend,
     RandomModel,
@@ -29,14 +27,13 @@ from tensortune.search.cost_model import (
     pairwise_accuracy,
     pairwise_pairs,
     recall_at_k,
-    training_bounds,
-    training_rows,
 )
 from tensortune.search.feature import FeatureExtractor, FeatureTemplate, state_numbers
 from tensortune.search.feature_layout import BUF, COLUMN, N_FEATURES, OFFSET, feature_names
 from tensortune.search.knobs import KNOBS, LEVELS, MISSING, SPLIT_TILES, STEP_NUMBERS, knob_vector
 from tensortune.search.program_row import PROGRAM_FEATURES, program_rows
 from tensortune.search.sketch_policy import SearchParams, SketchPolicy
+from tensortune.search.training_set import OTHER_TASK_PROGRAMS, TASK_PROGRAMS, training_bounds, training_rows
 from tensortune.tasks.workload_registry import make_dag
 
 DATA = Path(__file__).with_name("data") / "cost_model_matmul.json.gz"

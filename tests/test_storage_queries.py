@@ -35,7 +35,7 @@ def store(tmp_path) -> RecordStore:
 
 def test_training_rows_come_oldest_first_whatever_the_order_of_the_files(tmp_path):
     """Part files are listed in no time order (named by uuid): the newest programs a trainer keeps
-    (search.cost_model.training_rows) must be the newest measured. Records of one time keep their order."""
+    (search.training_set.training_rows) must be the newest measured. Records of one time keep their order."""
     store = RecordStore(str(tmp_path), auto_compact=None)
     for minutes in (50, 10, 40, 0, 30, 20):                 # one file each, appended out of time order
         store.append([_r("a", 1e-3, minutes=minutes, steps=f"[{minutes},first]"),
