@@ -14,7 +14,7 @@ Program = TypeVar("Program")
 
 # The most programs of a task the search is tuning that `fit` trains on (training_rows: its best quarter,
 # then its newest). A round's retrain on two network stores' 3 000 programs took 1.0 s, repeated as
-# 12 000 (four nights) 2.1 s, as 48 000 6.7 s; bounded 1.0, 1.4, 1.4 s (Zen 4, `python -m bench retrain`).
+# 12 000 (four nights) 2.1 s, as 48 000 6.9 s; bounded 1.0, 1.45, 1.46 s (Zen 4, `python -m bench retrain`).
 # More than this many programs of one task did not order its next round better: online on a 2 048-program
 # conv history (the model before each of rounds 17-32 ordering that round's programs, seeds 0-1) all
 # programs 0.760, at most 1024 0.770, 512 0.758, 256 0.759, 128 0.749, 64 0.748; a model of all programs
