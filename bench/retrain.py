@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
         for path in args.history:
             trainer.read_new(RecordStore(path))
     history = {key: rows for key, rows in trainer.xgb.data.items() if rows}
-    mine = [key for key in trainer.tasks if key in history and key in {t.workload_key for t in tasks}]
+    mine = [t.workload_key for t in tasks if t.workload_key in history]     # the network's tasks with records
     if not mine:
         print(f"error: no records of {args.network}'s tasks for {target} in {', '.join(args.history)}",
               file=sys.stderr)
